@@ -1,0 +1,366 @@
+"""Outputs of a run: the terminal table, and with ``--out DIR`` the files ``<card>.json``, ``<card>.md`` and
+``<card>.png``.
+
+JSON schema (``"schema": "maxsim-bench/1"``)::
+
+    {"schema": ..., "meta": {card, device, device_name, dtype, torch, triton, cuda, python, git_commit,
+                             git_dirty, date, cpu_threads, copy_bandwidth_gbps, matmul_tflops,
+                             matmul_dtype, impl_versions, tolerance, argv},
+     "rows": [{workload, mode, layout, note, shape, dtype, impl, card, status, reason, ms, peak_mib,
+               rel_err, grad_err, grad_identity_err, flops, bytes, floor_ms, floor_frac, vs_eager,
+               vs_best_peer, torch, triton, cuda, git_commit}, ...]}
+
+``status`` is ``ok``, ``FAIL`` (wrong result: not ranked), ``n/a`` (the implementation does not cover the
+workload), ``skipped`` (implementation unavailable) or ``error`` (it raised). Each row repeats the versions
+and the commit so rows stay readable on their own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from .peers import IMPL_NAMES
+from .runner import Result, Row, best_peer, group_rows
+
+SCHEMA = "maxsim-bench/1"
+_ROW_PROVENANCE = ("torch", "triton", "cuda", "git_commit")
+
+#: Field -> accepted JSON types, for every row (``None`` allowed where listed).
+ROW_FIELDS: dict[str, tuple[type, ...]] = {
+    "workload": (str,),
+    "mode": (str,),
+    "layout": (str,),
+    "note": (str,),
+    "shape": (dict,),
+    "dtype": (str,),
+    "impl": (str,),
+    "card": (str,),
+    "status": (str,),
+    "reason": (str, type(None)),
+    "ms": (float, int, type(None)),
+    "peak_mib": (float, int, type(None)),
+    "rel_err": (float, int, type(None)),
+    "grad_err": (float, int, type(None)),
+    "grad_identity_err": (float, int, type(None)),
+    "flops": (float, int, type(None)),
+    "bytes": (float, int, type(None)),
+    "floor_ms": (float, int, type(None)),
+    "floor_frac": (float, int, type(None)),
+    "vs_eager": (float, int, type(None)),
+    "vs_best_peer": (float, int, type(None)),
+    "torch": (str,),
+    "triton": (str, type(None)),
+    "cuda": (str, type(None)),
+    "git_commit": (str, type(None)),
+}
+META_FIELDS = (
+    "card", "device", "device_name", "dtype", "torch", "triton", "cuda", "git_commit", "date",
+    "copy_bandwidth_gbps", "matmul_tflops", "impl_versions",
+)  # fmt: skip
+STATUSES = ("ok", "FAIL", "n/a", "skipped", "error")
+
+
+# ---- JSON --------------------------------------------------------------------------------------------------
+def _clean(x: Any) -> Any:
+    """Strict JSON has no NaN/inf: write them as null (the row's ``reason`` names the value)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_clean(v) for v in x]
+    return x
+
+
+def to_json(result: Result) -> dict[str, Any]:
+    """The JSON document of a run (see the module docstring)."""
+    rows = []
+    for r in result.rows:
+        d = r.to_dict()
+        for key in _ROW_PROVENANCE:
+            d[key] = result.meta.get(key)
+        rows.append(_clean(d))
+    return {"schema": SCHEMA, "meta": _clean(result.meta), "rows": rows}
+
+
+def validate_json(doc: dict[str, Any]) -> None:
+    """Raise ``ValueError`` listing every way ``doc`` departs from the schema."""
+    problems: list[str] = []
+    if doc.get("schema") != SCHEMA:
+        problems.append(f"schema: expected {SCHEMA!r}, got {doc.get('schema')!r}")
+    meta = doc.get("meta")
+    if not isinstance(meta, dict):
+        problems.append("meta: missing or not an object")
+    else:
+        problems += [f"meta: missing {k!r}" for k in META_FIELDS if k not in meta]
+    rows = doc.get("rows")
+    if not isinstance(rows, list):
+        problems.append("rows: missing or not a list")
+        rows = []
+    for i, row in enumerate(rows):
+        for key, types in ROW_FIELDS.items():
+            if key not in row:
+                problems.append(f"rows[{i}]: missing {key!r}")
+            elif not isinstance(row[key], types) or isinstance(row[key], bool):
+                want = [t.__name__ for t in types]
+                problems.append(f"rows[{i}].{key}: {type(row[key]).__name__} is not one of {want}")
+        extra = set(row) - set(ROW_FIELDS)
+        if extra:
+            problems.append(f"rows[{i}]: unknown fields {sorted(extra)}")
+        if row.get("status") not in STATUSES:
+            problems.append(f"rows[{i}].status: {row.get('status')!r} not in {STATUSES}")
+        if row.get("status") == "ok" and row.get("ms") is None:
+            problems.append(f"rows[{i}]: status ok without ms")
+    if problems:
+        raise ValueError("invalid benchmark JSON:\n  " + "\n  ".join(problems))
+
+
+def rows_from_json(doc: dict[str, Any]) -> list[Row]:
+    """Rows back from a JSON document (provenance fields dropped)."""
+    fields = set(Row.__dataclass_fields__)
+    return [Row(**{k: v for k, v in r.items() if k in fields}) for r in doc["rows"]]
+
+
+# ---- formatting --------------------------------------------------------------------------------------------
+def fmt_ms(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if x >= 100:
+        return f"{x:.0f}"
+    if x >= 10:
+        return f"{x:.1f}"
+    if x >= 1:
+        return f"{x:.2f}"
+    return f"{x:.3g}"
+
+
+def fmt_ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def fmt_pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def fmt_err(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1e}"
+
+
+def fmt_mib(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.0f}" if x >= 10 else f"{x:.2g}"
+
+
+def _impls(rows: Iterable[Row]) -> list[str]:
+    present = {r.impl for r in rows}
+    return [n for n in IMPL_NAMES if n in present] + sorted(present - set(IMPL_NAMES))
+
+
+def _cell(r: Row | None) -> str:
+    if r is None:
+        return ""
+    if r.status == "ok":
+        return fmt_ms(r.ms)
+    return {"skipped": "—"}.get(r.status, r.status)
+
+
+def _table(header: list[str], body: list[list[str]], right: set[int] | None = None) -> str:
+    right = right if right is not None else set(range(1, len(header)))
+    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        pairs = enumerate(zip(cells, widths, strict=True))
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in pairs)
+
+    return "\n".join([line(header), "  ".join("-" * w for w in widths), *map(line, body)])
+
+
+# ---- terminal ----------------------------------------------------------------------------------------------
+def terminal_table(result: Result) -> str:
+    """One line per (workload, implementation); skipped implementations are listed once below."""
+    header = ["workload", "impl", "ms", "peak MiB", "rel err", "vs eager", "vs best", "% floor", "status"]
+    body: list[list[str]] = []
+    skipped: dict[str, str] = {}
+    for (mode, name), group in group_rows(result.rows).items():
+        first = True
+        for r in group:
+            if r.status == "skipped":
+                skipped.setdefault(r.impl, r.reason or "")
+                continue
+            label = f"{mode}/{name}" if first else ""
+            first = False
+            err = r.rel_err if r.grad_err is None else max(r.rel_err or 0.0, r.grad_err)
+            body.append([
+                label, r.impl, fmt_ms(r.ms), fmt_mib(r.peak_mib), fmt_err(err), fmt_ratio(r.vs_eager),
+                fmt_ratio(r.vs_best_peer), fmt_pct(r.floor_frac), r.status,
+            ])  # fmt: skip
+    m = result.meta
+    lines = [f"card {m.get('card')} ({m.get('device_name')}), {m.get('dtype')}, torch {m.get('torch')}"]
+    if m.get("copy_bandwidth_gbps"):
+        lines.append(
+            f"roofline: copy {m['copy_bandwidth_gbps']:.0f} GB/s, {m.get('matmul_dtype')} matmul "
+            f"{m['matmul_tflops']:.0f} TFLOP/s"
+        )
+    lines += ["", _table(header, body, right={2, 3, 4, 5, 6, 7})]
+    if skipped:
+        lines += ["", *(f"{k}: skipped ({v})" for k, v in skipped.items())]
+    notes = [f"{r.mode}/{r.workload} {r.impl}: {r.status}: {r.reason}" for r in result.rows
+             if r.status in ("FAIL", "error", "n/a")]  # fmt: skip
+    if notes:
+        lines += ["", *notes]
+    lines.append("")
+    lines.append(
+        "vs eager / vs best: speed-up over eager / over the fastest other implementation (>1 = faster)"
+    )
+    lines.append("rel err: max of scores and gradients vs the fp32 reference; % floor: roofline floor / time")
+    return "\n".join(lines)
+
+
+# ---- Markdown ----------------------------------------------------------------------------------------------
+def markdown(result: Result) -> str:
+    """Per mode, one table of median ms per implementation, with maxsim's speed-up and roofline fraction."""
+    m = result.meta
+    commit = (m.get("git_commit") or "unknown")[:12] + (" (dirty)" if m.get("git_dirty") else "")
+    out = [
+        f"# maxsim bench — {m.get('card')}",
+        "",
+        f"{m.get('device_name')}; {m.get('dtype')}; torch {m.get('torch')}, triton {m.get('triton')}, "
+        f"CUDA {m.get('cuda')}; commit {commit}; {m.get('date')}.",
+    ]
+    if m.get("copy_bandwidth_gbps"):
+        out.append(
+            f"Measured roofline: copy {m['copy_bandwidth_gbps']:.0f} GB/s, {m.get('matmul_dtype')} matmul "
+            f"{m['matmul_tflops']:.0f} TFLOP/s."
+        )
+    out += [
+        "",
+        "Median ms (lower is better). `vs best peer`: the fastest other implementation's time over maxsim's "
+        "(>1 = maxsim faster). `% floor`: roofline floor / maxsim's time. FAIL = wrong result (not ranked); "
+        "n/a = not covered by that implementation; — = implementation not available.",
+    ]
+    groups = group_rows(result.rows)
+    impls = _impls(result.rows)
+    for mode in ("infer", "train"):
+        keys = [k for k in groups if k[0] == mode]
+        if not keys:
+            continue
+        title = "Inference (forward)" if mode == "infer" else "Training (forward + backward)"
+        header = ["workload", "shape", "floor ms", *impls, "vs best peer", "% floor"]
+        out += ["", f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for key in keys:
+            group = groups[key]
+            by_impl = {r.impl: r for r in group}
+            first = group[0]
+            ours = by_impl.get("maxsim")
+            name = f"{first.workload} ({first.note})" if first.note else first.workload
+            shape = " ".join(f"{k}={v}" for k, v in first.shape.items())
+            cells = [name, shape, fmt_ms(first.floor_ms), *(_cell(by_impl.get(i)) for i in impls)]
+            if ours is not None:
+                cells += [fmt_ratio(ours.vs_best_peer), fmt_pct(ours.floor_frac)]
+            else:
+                cells += ["-", "-"]
+            out.append("| " + " | ".join(cells) + " |")
+        if any(r.peak_mib is not None for k in keys for r in groups[k]):
+            out += ["", f"Peak extra memory, MiB ({mode}):", ""]
+            out += ["| workload | " + " | ".join(impls) + " |", "|" + "---|" * (len(impls) + 1)]
+            for key in keys:
+                by_impl = {r.impl: r for r in groups[key]}
+                cells = [
+                    fmt_mib(by_impl[i].peak_mib) if i in by_impl and by_impl[i].status == "ok" else ""
+                    for i in impls
+                ]
+                out.append(f"| {key[1]} | " + " | ".join(cells) + " |")
+    notes = [
+        r for r in result.rows if r.status in ("FAIL", "error", "n/a") or (r.status == "ok" and r.reason)
+    ]
+    skipped = {r.impl: r.reason for r in result.rows if r.status == "skipped"}
+    if notes or skipped:
+        out += ["", "## Notes", ""]
+        out += [f"- `{k}` not available: {v}" for k, v in skipped.items()]
+        out += [f"- `{r.mode}/{r.workload}` {r.impl}: {r.status}: {r.reason}" for r in notes]
+    return "\n".join(out) + "\n"
+
+
+# ---- chart -------------------------------------------------------------------------------------------------
+def write_png(result: Result, path: Path) -> str | None:
+    """Speed-up of maxsim over the best peer per workload, and the fraction of the roofline floor reached by
+    maxsim and the best peer. Returns None, or why no chart was written (matplotlib missing, no maxsim
+    rows)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        return f"matplotlib not importable ({e}); install maxsim[bench]"
+    groups = list(group_rows(result.rows).items())
+    if not any(r.impl == "maxsim" for _, g in groups for r in g):
+        return "no maxsim rows to chart"
+    labels, speedups, ours_frac, peer_frac, peer_names = [], [], [], [], []
+    for (mode, name), group in groups:
+        ours = next((r for r in group if r.impl == "maxsim"), None)
+        best = best_peer(group)
+        labels.append(f"{mode}/{name}")
+        speedups.append(ours.vs_best_peer if ours and ours.vs_best_peer else None)
+        ours_frac.append(ours.floor_frac if ours and ours.floor_frac else None)
+        peer_frac.append(best.floor_frac if best and best.floor_frac else None)
+        peer_names.append(best.impl if best else "")
+    has_floor = any(x is not None for x in ours_frac + peer_frac)
+    height = max(3.0, 0.32 * len(labels) + 1.2)
+    fig, axes = plt.subplots(1, 2, figsize=(14, height), sharey=True)
+    ys = list(range(len(labels)))[::-1]
+    ax = axes[0]
+    vals = [s if s is not None else 0.0 for s in speedups]
+    colors = ["tab:green" if (s or 0) >= 1 else "tab:red" for s in speedups]
+    ax.barh(ys, vals, color=colors, left=0)
+    ax.axvline(1.0, color="black", lw=1)
+    for y, s, peer in zip(ys, speedups, peer_names, strict=True):
+        text = f" {s:.2f}x vs {peer}" if s is not None else " no ranked maxsim row"
+        ax.text(s if s is not None else 0.0, y, text, va="center", fontsize=7)
+    ax.set_yticks(ys, labels, fontsize=7)
+    ax.set_xlabel("maxsim speed-up over the best peer (>1 = faster)")
+    ax.set_xlim(0, max([1.5, *(v * 1.35 for v in vals)]))
+    ax = axes[1]
+    if has_floor:
+        h = 0.4
+        ax.barh([y + h / 2 for y in ys], [v or 0.0 for v in ours_frac], height=h, label="maxsim")
+        ax.barh([y - h / 2 for y in ys], [v or 0.0 for v in peer_frac], height=h, label="best peer")
+        ax.set_xlim(0, max([1.0, *(v or 0 for v in ours_frac + peer_frac)]) * 1.05)
+        ax.axvline(1.0, color="black", lw=1)
+        ax.set_xlabel("fraction of the roofline floor (floor ms / ms)")
+        ax.legend(loc="lower right", fontsize=8)
+    else:
+        ax.text(
+            0.5, 0.5, "no roofline floor on this device", ha="center", va="center", transform=ax.transAxes
+        )
+        ax.set_xticks([])
+    m = result.meta
+    fig.suptitle(f"maxsim bench — {m.get('card')} ({m.get('device_name')}), {m.get('dtype')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def write_outputs(result: Result, out_dir: Path | str, log=print) -> list[Path]:
+    """Write ``<card>.json``, ``<card>.md`` and ``<card>.png`` into ``out_dir`` (created if needed)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = str(result.meta.get("card") or "unknown")
+    doc = to_json(result)
+    validate_json(doc)
+    paths = [out / f"{stem}.json", out / f"{stem}.md"]
+    paths[0].write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+    paths[1].write_text(markdown(result))
+    png = out / f"{stem}.png"
+    why = write_png(result, png)
+    if why is None:
+        paths.append(png)
+    else:
+        log(f"no chart: {why}")
+    return paths

@@ -1,0 +1,667 @@
+"""Running the matrix: correctness first, then time and memory, plus the roofline floor of every workload.
+
+Per (workload, implementation) the runner
+
+1. builds the implementation's scorer and runs it once; the scores (and, in training, ``dQ``, ``dD``) are
+compared
+   with an fp32 reference computed here by chunked fp32 einsum (never by the implementation under test);
+   a wrong row is marked ``FAIL`` and not ranked;
+2. measures the peak extra memory of one call (GPU only: ``max_memory_allocated`` minus what was allocated
+   before the call, so the inputs are excluded and the outputs included);
+3. times it: on a GPU ``triton.testing.do_bench`` (CUDA events, L2 flushed between calls, median), on a CPU
+   ``time.perf_counter`` over enough repeats (median).
+
+A training call is ``s = scorer(Q, D)`` followed by ``torch.autograd.grad(s, (Q, D), g)``: the backward of the
+random linear loss ``sum(g * s)``, without gradient accumulation into ``.grad``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import inspect
+import math
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .peers import Impl, free_memory
+from .workloads import Inputs, Workload, make_inputs
+
+#: Relative-error tolerance of scores and gradients by input dtype.
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2, torch.float64: 1e-10}
+#: A gradient that differs from the fp32 reference by more than the tolerance is still accepted when it passes
+#: the tie-robust identity check (see :func:`judge`) and differs by less than this.
+GRAD_SANITY = 0.5
+#: Backward flops counted in the training floor, as a multiple of the forward flops (see
+#: :func:`roofline_floor`).
+TRAIN_BWD_FLOP_FACTOR = 1.0
+#: fp32 reference: one similarity chunk may use this fraction of the free memory (at most REF_CHUNK_MAX
+#: bytes).
+REF_MEMORY_FRACTION = 0.15
+REF_CHUNK_MAX = 2 << 30
+
+STATUSES = ("ok", "FAIL", "n/a", "skipped", "error")
+
+
+# ---- rows --------------------------------------------------------------------------------------------------
+@dataclass
+class Row:
+    """One (workload, implementation) result; the JSON schema of :mod:`maxsim.bench.report` is its fields."""
+
+    workload: str
+    mode: str
+    layout: str
+    note: str
+    shape: dict[str, int]
+    dtype: str
+    impl: str
+    card: str
+    status: str = "ok"
+    reason: str | None = None
+    ms: float | None = None
+    peak_mib: float | None = None
+    rel_err: float | None = None
+    grad_err: float | None = None
+    grad_identity_err: float | None = None
+    flops: float | None = None
+    bytes: float | None = None
+    floor_ms: float | None = None
+    floor_frac: float | None = None
+    vs_eager: float | None = None
+    vs_best_peer: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Result:
+    """A whole run: provenance in ``meta`` and one :class:`Row` per (workload, implementation)."""
+
+    meta: dict[str, Any]
+    rows: list[Row] = field(default_factory=list)
+
+
+# ---- device facts ------------------------------------------------------------------------------------------
+def card_slug(device: torch.device) -> str:
+    """Short name of the card: ``h100``, ``h200``, another GPU's sanitized name, or ``cpu``."""
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device).lower()
+    for known in ("h100", "h200", "b200", "a100", "l40s", "l4"):
+        if known in name:
+            return known
+    words = [w for w in "".join(c if c.isalnum() else " " for c in name).split() if w != "nvidia"]
+    return "-".join(words) or "gpu"
+
+
+def git_commit(path: Path | None = None) -> tuple[str | None, bool | None]:
+    """``(HEAD commit, working tree dirty)`` of the repository holding this file; ``(None, None)`` without
+    git."""
+    where = str(path or Path(__file__).resolve().parent)
+
+    def git(*args: str) -> str:
+        cmd = ["git", "-C", where, *args]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=True)
+        return done.stdout.strip()
+
+    try:
+        head = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain")
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    return head or None, bool(dirty)
+
+
+@dataclass
+class Roofline:
+    """Measured copy bandwidth (bytes/s, read + write counted) and matmul rate (flop/s) of the card."""
+
+    bandwidth: float | None = None
+    matmul_rate: float | None = None
+    matmul_dtype: str | None = None
+
+
+Timer = Callable[[Callable[[], Any]], float]
+
+
+def _time_copy(nbytes: int, device: torch.device, timer: Timer) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    return timer(lambda: dst.copy_(src))
+
+
+def _time_matmul(n: int, device: torch.device, dtype: torch.dtype, timer: Timer) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    return timer(lambda: torch.mm(a, b))
+
+
+def measure_roofline(device: torch.device, dtype: torch.dtype, timer: Timer) -> Roofline:
+    """Copy bandwidth (a 1 GiB device-to-device copy) and the matmul rate of an 8192³ product in ``dtype``
+    (bf16 in a default GPU run). None on a CPU: no floor there."""
+    if device.type != "cuda":
+        return Roofline()
+    nbytes = min(1 << 30, free_memory(device) // 8)
+    n = 8192
+    copy_ms = _time_copy(nbytes, device, timer)
+    mm_ms = _time_matmul(n, device, dtype, timer)
+    torch.cuda.empty_cache()
+    return Roofline(
+        bandwidth=2 * nbytes / (copy_ms * 1e-3),
+        matmul_rate=2 * n**3 / (mm_ms * 1e-3),
+        matmul_dtype=str(dtype).removeprefix("torch."),
+    )
+
+
+def roofline_floor(w: Workload, itemsize: int, roof: Roofline) -> tuple[float, float, float | None]:
+    """``(flops, bytes, floor_ms)`` of workload ``w``; ``floor_ms = max(flops / rate, bytes / bandwidth)``.
+
+    Forward (inference):
+
+    * flops = 2 · Σ_pairs Lq·Ld · dim (every similarity is one dot product);
+    * bytes = Q and D read once (distinct tokens × dim × itemsize) + fp32 scores written once.
+
+    Training adds the backward of the linear loss:
+
+    * flops: backward counted as :data:`TRAIN_BWD_FLOP_FACTOR` × the forward flops (a convention matching the
+      design's training floors, not a strict lower bound: a backward that saved the argmax needs only
+      4 · Σ_pairs Lq · dim flops);
+    * bytes: the int32 argmax written by the forward and read by the backward (2 × 4 B per pair and query
+      token), the fp32 upstream gradient read (4 B per pair), the gather of ``d_{a_i}`` for ``dQ`` and of
+      ``q_i`` for ``dD`` once per pair and query token (2 × dim × itemsize each), and ``dQ``, ``dD`` written
+      once in the input dtype (distinct tokens × dim × itemsize).
+    """
+    tokens = w.q_tokens() + w.d_tokens()
+    flops = 2.0 * w.sims() * w.dim
+    nbytes = float(tokens * w.dim * itemsize + 4 * w.n_pairs())
+    if w.mode == "train":
+        flops *= 1.0 + TRAIN_BWD_FLOP_FACTOR
+        nbytes += 2 * 4 * w.pair_rows() + 4 * w.n_pairs()
+        nbytes += 2 * w.pair_rows() * w.dim * itemsize
+        nbytes += tokens * w.dim * itemsize
+    if roof.bandwidth is None or roof.matmul_rate is None:
+        return flops, nbytes, None
+    return flops, nbytes, max(flops / roof.matmul_rate, nbytes / roof.bandwidth) * 1e3
+
+
+# ---- timing and memory -------------------------------------------------------------------------------------
+def _do_bench() -> Callable[..., float] | None:
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        return None
+    params = inspect.signature(do_bench).parameters
+    if not {"warmup", "rep", "return_mode"} <= set(params):
+        return None
+    return do_bench
+
+
+def _cuda_events_ms(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> float:
+    """Median of CUDA-event timings (the fallback when triton's do_bench is missing or has another
+    signature)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    est = max(start.elapsed_time(end) / 3, 1e-3)
+    for _ in range(max(1, int(warmup_ms / est))):
+        fn()
+    n = max(1, int(rep_ms / est))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    for s, e in events:
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def _cpu_ms(fn: Callable[[], Any], warmup_ms: float, rep_ms: float, min_reps: int = 5, max_reps: int = 10000):
+    """Median wall time of ``fn`` with ``time.perf_counter``: warm-up, then at least ``min_reps`` calls and at
+    least ``rep_ms`` of calls."""
+    t_end = time.perf_counter() + warmup_ms * 1e-3
+    fn()
+    while time.perf_counter() < t_end:
+        fn()
+    times: list[float] = []
+    t_end = time.perf_counter() + rep_ms * 1e-3
+    while len(times) < min_reps or (time.perf_counter() < t_end and len(times) < max_reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def make_timer(device: torch.device, warmup_ms: float, rep_ms: float) -> Callable[[Callable[[], Any]], float]:
+    """``timer(fn) -> median ms`` for ``device``."""
+    if device.type == "cuda":
+        bench = _do_bench()
+        if bench is not None:
+            return lambda fn: float(bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+        return lambda fn: _cuda_events_ms(fn, warmup_ms, rep_ms)
+    return lambda fn: _cpu_ms(fn, warmup_ms, rep_ms)
+
+
+def peak_extra_mib(call: Callable[[], Any], device: torch.device) -> float | None:
+    """Peak memory one call allocates beyond what existed before it (GPU only; None on a CPU)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    out = call()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del out
+    return peak / 2**20
+
+
+# ---- reference and correctness -----------------------------------------------------------------------------
+@dataclass
+class Reference:
+    """fp32 ground truth of one workload (see :func:`reference`)."""
+
+    scores: Tensor
+    dQ: Tensor | None = None
+    dD: Tensor | None = None
+    q_identity: Tensor | None = None
+    d_identity: Tensor | None = None
+
+
+def reference(w: Workload, inp: Inputs, need_grad: bool, budget: int | None = None) -> Reference:
+    """fp32 scores (and gradients of ``sum(grad_out * scores)``) by chunked fp32 einsum and ``max``.
+
+    Chunks run over documents (cross) or queries (candidates, pairs) so one fp32 similarity chunk stays within
+    ``budget`` bytes. TF32 is switched off meanwhile. With ``need_grad`` it also returns the targets of the
+    tie-robust identity check: per query token ``Σ_docs g · max_j <q_i, d_j>`` (= ``<dQ_i, q_i>`` for any
+    valid choice of maxima) and per document ``Σ_queries g · S`` (= ``Σ_j <dD_j, d_j>``).
+    """
+    device = inp.Q.device
+    if budget is None:
+        budget = min(REF_CHUNK_MAX, int(REF_MEMORY_FRACTION * free_memory(device)))
+    per_row = w.lq * max(w.ld, w.dim) * 4 * 3  # fp32 similarities, their gradient, a gather: per (query, doc)
+    g = inp.grad_out
+    Q = inp.Q.float()
+    if w.layout == "cross":
+        D4, axis = inp.D.unsqueeze(0), 1
+        rows_per_step = max(1, budget // (per_row * w.nq))
+    elif w.layout == "candidates":
+        D4, axis = inp.D, 0
+        rows_per_step = max(1, budget // (per_row * w.nd))
+    else:
+        D4, axis = inp.D.unsqueeze(1), 0
+        g = g.unsqueeze(1)
+        rows_per_step = max(1, budget // per_row)
+    n = D4.shape[axis]
+    scores = torch.empty(g.shape, dtype=torch.float32, device=device)
+    dQ = torch.zeros_like(Q) if need_grad else None
+    dD = torch.empty(D4.shape, dtype=torch.float32, device=device) if need_grad else None
+    q_id = torch.zeros(w.nq, w.lq, dtype=torch.float32, device=device) if need_grad else None
+    d_id = torch.zeros(D4.shape[:2], dtype=torch.float32, device=device) if need_grad else None
+    prev_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        for s in range(0, n, rows_per_step):
+            e = min(n, s + rows_per_step)
+            if axis == 1:  # cross: a slice of the documents against every query
+                qsl, gsl = slice(None), (slice(None), slice(s, e))
+                qs, ds, spec = Q, D4[0, s:e], "qid,kjd->qkij"
+            else:  # candidates / pairs: a slice of the queries with their own documents
+                qsl, gsl = slice(s, e), (slice(s, e), slice(None))
+                qs, ds, spec = Q[s:e], D4[s:e], "qid,qkjd->qkij"
+            qs = qs.detach().requires_grad_(need_grad)
+            ds = ds.float().requires_grad_(need_grad)
+            with torch.set_grad_enabled(need_grad):
+                best = torch.einsum(spec, qs, ds).max(dim=-1).values  # [q, k, Lq]
+                sc = best.sum(dim=-1)
+            scores[gsl] = sc.detach()
+            if need_grad:
+                assert dQ is not None and dD is not None and q_id is not None and d_id is not None
+                gq, gd = torch.autograd.grad(sc, (qs, ds), g[gsl])
+                dQ[qsl] += gq
+                q_id[qsl] += (g[gsl].unsqueeze(-1) * best.detach()).sum(dim=1)
+                contrib = g[gsl] * sc.detach()
+                if axis == 1:
+                    dD[0, s:e] = gd
+                    d_id[0, s:e] = contrib.sum(dim=0)
+                else:
+                    dD[s:e] = gd
+                    d_id[s:e] = contrib
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev_tf32
+    if w.layout == "pairs":
+        scores = scores[:, 0]
+    if not need_grad:
+        return Reference(scores=scores)
+    assert dD is not None and d_id is not None
+    if w.layout == "cross":
+        dD, d_id = dD[0], d_id[0]
+    elif w.layout == "pairs":
+        dD, d_id = dD[:, 0], d_id[:, 0]
+    return Reference(scores=scores, dQ=dQ, dD=dD, q_identity=q_id, d_identity=d_id)
+
+
+def rel_err(out: Tensor, ref: Tensor) -> float:
+    """``||out - ref|| / ||ref||`` in fp32 (inf for a shape mismatch, nan when ``out`` holds NaN)."""
+    if tuple(out.shape) != tuple(ref.shape):
+        return math.inf
+    diff = torch.linalg.vector_norm(out.float() - ref.float()).item()
+    den = torch.linalg.vector_norm(ref.float()).item()
+    return diff / den if den > 0 else diff
+
+
+@dataclass
+class Check:
+    ok: bool
+    rel_err: float
+    grad_err: float | None = None
+    grad_identity_err: float | None = None
+    reason: str | None = None
+
+
+def judge(w: Workload, out: tuple[Tensor, ...], ref: Reference, inp: Inputs, tol: float) -> Check:
+    """Compare one call's outputs with the reference.
+
+    Scores pass when their relative error is at most ``tol``. Gradients pass when ``max(rel err dQ, rel err
+    dD)`` is at most ``tol``, or — because an implementation that rounds similarities to the input dtype
+    (eager bf16) legitimately picks another of two near-tied maxima — when the tie-robust identities hold
+    within ``tol`` and the plain error stays below :data:`GRAD_SANITY`. The identities: for every query token
+    ``<dQ_i, q_i> = Σ_docs g · max_j <q_i, d_j>`` and for every document ``Σ_j <dD_j, d_j> = Σ_queries g · S``
+    (true for any valid choice of maxima, since the score is linear in the chosen tokens).
+    """
+    scores = out[0]
+    err = rel_err(scores, ref.scores)
+    if not err <= tol:  # also catches NaN
+        return Check(False, err, reason=f"scores rel. error {err:.2e} > {tol:.0e}")
+    if w.mode != "train":
+        return Check(True, err)
+    assert ref.dQ is not None and ref.dD is not None
+    assert ref.q_identity is not None and ref.d_identity is not None
+    if len(out) < 3:
+        return Check(False, err, reason="no gradients returned")
+    dQ, dD = out[1], out[2]
+    gerr = max(rel_err(dQ, ref.dQ), rel_err(dD, ref.dD))
+    if tuple(dQ.shape) != tuple(inp.Q.shape) or tuple(dD.shape) != tuple(inp.D.shape):
+        return Check(False, err, gerr, reason="gradient shapes differ from the inputs'")
+    q_id = (dQ.float() * inp.Q.float()).sum(dim=-1)
+    d_id = (dD.float() * inp.D.float()).sum(dim=(-1, -2))
+    ierr = max(rel_err(q_id, ref.q_identity), rel_err(d_id, ref.d_identity))
+    if gerr <= tol:
+        return Check(True, err, gerr, ierr)
+    if ierr <= tol and gerr <= GRAD_SANITY:
+        note = (
+            f"gradients differ from the fp32 reference by {gerr:.1e} (other near-tied maxima at input "
+            f"precision); tie-robust identity error {ierr:.1e}"
+        )
+        return Check(True, err, gerr, ierr, reason=note)
+    return Check(False, err, gerr, ierr, reason=f"gradient rel. error {gerr:.2e}, identity error {ierr:.2e}")
+
+
+# ---- the run -----------------------------------------------------------------------------------------------
+def make_call(w: Workload, fn: Callable[[Tensor, Tensor], Tensor], inp: Inputs) -> Callable[[], tuple]:
+    """The timed unit: inference under ``no_grad``; training as forward plus ``autograd.grad`` of the loss."""
+    if w.mode == "infer":
+        Q, D = inp.Q, inp.D
+
+        def infer() -> tuple[Tensor, ...]:
+            with torch.no_grad():
+                return (fn(Q, D),)
+
+        return infer
+    Qg = inp.Q.detach().requires_grad_(True)
+    Dg = inp.D.detach().requires_grad_(True)
+    weights: dict[torch.dtype, Tensor] = {}
+
+    def train() -> tuple[Tensor, ...]:
+        s = fn(Qg, Dg)
+        g = weights.get(s.dtype)
+        if g is None:
+            g = weights.setdefault(s.dtype, inp.grad_out.to(s.dtype))
+        dQ, dD = torch.autograd.grad(s, (Qg, Dg), g)
+        return s, dQ, dD
+
+    return train
+
+
+def provenance(device: torch.device, dtype: torch.dtype, roof: Roofline, impls: Iterable[Impl]) -> dict:
+    """Everything a number needs to be read later: card, versions, commit, date, measured roofline."""
+    try:
+        import triton
+
+        triton_version: str | None = triton.__version__
+    except ImportError:
+        triton_version = None
+    commit, dirty = git_commit()
+    return {
+        "card": card_slug(device),
+        "device": device.type,
+        "device_name": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or platform.machine(),
+        "dtype": str(dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu_threads": torch.get_num_threads(),
+        "copy_bandwidth_gbps": None if roof.bandwidth is None else roof.bandwidth / 1e9,
+        "matmul_tflops": None if roof.matmul_rate is None else roof.matmul_rate / 1e12,
+        "matmul_dtype": roof.matmul_dtype,
+        "impl_versions": {i.name: i.version() for i in impls},
+        "tolerance": TOLERANCE.get(dtype),
+        "argv": sys.argv[1:],
+    }
+
+
+class _Progress:
+    """tqdm when installed, else a printed counter."""
+
+    def __init__(self, total: int, enabled: bool, log: Callable[[str], None]) -> None:
+        self.total, self.n, self.enabled, self.log = total, 0, enabled, log
+        self.bar = None
+        if enabled:
+            try:
+                from tqdm.auto import tqdm
+
+                self.bar = tqdm(total=total, unit="row", dynamic_ncols=True, leave=False, file=sys.stderr)
+            except ImportError:
+                self.bar = None
+
+    def step(self, label: str) -> None:
+        self.n += 1
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.set_description_str(label[:60])
+            self.bar.update(1)
+        else:
+            print(f"[{self.n}/{self.total}] {label}", file=sys.stderr, flush=True)
+
+    def write(self, msg: str) -> None:
+        if self.bar is not None:
+            self.bar.write(msg, file=sys.stderr)
+        else:
+            self.log(msg)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def _short(e: BaseException) -> str:
+    msg = " ".join(str(e).split())
+    return f"{type(e).__name__}: {msg[:240]}"
+
+
+def _bench_one(row: Row, impl: Impl, w: Workload, inp: Inputs, ref: Reference | None, ctx: _Ctx) -> None:
+    reason = impl.unsupported(w, ctx.device, ctx.dtype)
+    if reason is not None:
+        row.status, row.reason = "n/a", reason
+        return
+    if ref is None:
+        row.status, row.reason = "error", ctx.ref_error
+        return
+    try:
+        call = make_call(w, impl.scorer(w, ctx.device, ctx.dtype), inp)
+        out = call()
+        check = judge(w, out, ref, inp, ctx.tol)
+        del out
+        row.rel_err, row.grad_err = check.rel_err, check.grad_err
+        row.grad_identity_err = check.grad_identity_err
+        row.status, row.reason = ("ok" if check.ok else "FAIL"), check.reason
+        row.peak_mib = peak_extra_mib(call, ctx.device)
+        row.ms = ctx.timer(call)
+    except Exception as e:  # one broken row must not end the run
+        row.status, row.reason = "error", _short(e)
+        row.ms = row.peak_mib = None
+
+
+@dataclass
+class _Ctx:
+    device: torch.device
+    dtype: torch.dtype
+    tol: float
+    timer: Callable[[Callable[[], Any]], float]
+    ref_error: str | None = None
+
+
+def run(
+    workloads: list[Workload],
+    impls: list[Impl],
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    warmup_ms: float = 25.0,
+    rep_ms: float = 100.0,
+    seed: int = 0,
+    skip: dict[str, str] | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> Result:
+    """Benchmark every implementation on every workload; returns rows with ratios and floors filled in.
+
+    ``skip`` maps implementation names to a reason for leaving them out (printed, and recorded as
+    ``skipped``).
+    """
+    device = torch.device(device)
+    timer = make_timer(device, warmup_ms, rep_ms)
+    roof = measure_roofline(device, dtype, timer)
+    meta = provenance(device, dtype, roof, impls)
+    if roof.bandwidth is not None:
+        log(
+            f"{meta['device_name']}: copy {meta['copy_bandwidth_gbps']:.0f} GB/s, "
+            f"{roof.matmul_dtype} matmul {meta['matmul_tflops']:.0f} TFLOP/s"
+        )
+    skipped = dict(skip or {})
+    for impl in impls:
+        if impl.name not in skipped:
+            why = impl.unavailable(device)
+            if why is not None:
+                skipped[impl.name] = why
+    for name, why in skipped.items():
+        if any(i.name == name for i in impls):
+            log(f"{name}: skipped ({why})")
+    ctx = _Ctx(device=device, dtype=dtype, tol=TOLERANCE.get(dtype, 1e-4), timer=timer)
+    result = Result(meta=meta)
+    bar = _Progress(len(workloads) * len(impls), progress, log)
+    try:
+        for w in workloads:
+            flops, nbytes, floor = roofline_floor(w, dtype.itemsize, roof)
+            inp: Inputs | None = None
+            ref: Reference | None = None
+            ctx.ref_error = None
+            try:
+                inp = make_inputs(w, device, dtype, seed)
+                ref = reference(w, inp, need_grad=w.mode == "train")
+            except Exception as e:
+                ctx.ref_error = f"inputs/reference failed: {_short(e)}"
+            for impl in impls:
+                row = Row(
+                    workload=w.name,
+                    mode=w.mode,
+                    layout=w.layout,
+                    note=w.note,
+                    shape=w.shape(),
+                    dtype=meta["dtype"],
+                    impl=impl.name,
+                    card=meta["card"],
+                    flops=flops,
+                    bytes=nbytes,
+                    floor_ms=floor,
+                )
+                if impl.name in skipped:
+                    row.status, row.reason = "skipped", skipped[impl.name]
+                elif inp is None:
+                    row.status, row.reason = "error", ctx.ref_error
+                else:
+                    _bench_one(row, impl, w, inp, ref, ctx)
+                    if row.status in ("FAIL", "error"):
+                        bar.write(f"{w.key} {impl.name}: {row.status}: {row.reason}")
+                result.rows.append(row)
+                bar.step(f"{w.key} {impl.name}")
+                _free(device)
+            for impl in impls:
+                impl.reset()
+            del inp, ref
+            _free(device)
+    finally:
+        bar.close()
+    compute_ratios(result.rows)
+    return result
+
+
+def best_peer(group: list[Row]) -> Row | None:
+    """The fastest ``ok`` row of one workload among the implementations other than ``maxsim``."""
+    peers = [r for r in group if r.impl != "maxsim" and r.status == "ok" and r.ms is not None and r.ms > 0]
+    return min(peers, key=lambda r: r.ms or math.inf) if peers else None
+
+
+def group_rows(rows: list[Row]) -> dict[tuple[str, str], list[Row]]:
+    """Rows by ``(mode, workload)``, in first-seen order."""
+    groups: dict[tuple[str, str], list[Row]] = {}
+    for r in rows:
+        groups.setdefault((r.mode, r.workload), []).append(r)
+    return groups
+
+
+def compute_ratios(rows: list[Row]) -> None:
+    """Fill ``vs_eager`` (eager ms / ms), ``vs_best_peer`` (best peer ms / ms), ``floor_frac`` (floor / ms).
+
+    Only ``ok`` rows are ranked. The best peer of a workload is the fastest ``ok`` implementation other than
+    ``maxsim`` (eager, compile, lik, flash); ratios above 1 mean faster than that reference.
+    """
+    for group in group_rows(rows).values():
+        eager = next((r.ms for r in group if r.impl == "eager" and r.status == "ok" and r.ms), None)
+        best = best_peer(group)
+        for r in group:
+            r.vs_eager = r.vs_best_peer = r.floor_frac = None
+            if r.status != "ok" or not r.ms:
+                continue
+            r.vs_eager = eager / r.ms if eager is not None else None
+            r.vs_best_peer = best.ms / r.ms if best is not None and best.ms is not None else None
+            r.floor_frac = r.floor_ms / r.ms if r.floor_ms is not None else None

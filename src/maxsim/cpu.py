@@ -1,0 +1,137 @@
+"""Blockwise PyTorch twin of the Triton kernels: the path for CPU tensors (and float64 anywhere).
+
+Works on the canonical layout of :mod:`maxsim.layout`: ``Q [Nq, Lq, dim]`` against ``D [Bd, K, Ld, dim]`` where
+``Bd`` is 1 (cross product) or ``Nq`` (per-query candidates). Scores are computed one block of (queries, documents)
+at a time so that the similarity block never exceeds :data:`BLOCK_BYTES`; the argmax (int32) is the only state kept
+for the backward, as in the kernels. Nothing here syncs with a device beyond what the PyTorch ops themselves do.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from .layout import NORM_EPS, accum_dtype
+
+BLOCK_BYTES = int(os.environ.get("MAXSIM_CPU_BLOCK_BYTES", 64 * 2**20))
+"""Budget, in bytes, of one similarity block ``[nq, nk, Lq, Ld]`` (plus the upcast document block)."""
+
+
+def _inv_norm(x: Tensor) -> Tensor:
+    return 1.0 / torch.linalg.vector_norm(x, dim=-1).clamp_min(NORM_EPS)
+
+
+def _normalized(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``(x̂, ||x||)`` with ``x̂ = x / max(||x||, eps)``."""
+    norm = torch.linalg.vector_norm(x, dim=-1)
+    return x / norm.clamp_min(NORM_EPS)[..., None], norm
+
+
+def _blocks(Nq: int, K: int, Lq: int, Ld: int, dim: int, itemsize: int) -> tuple[int, int]:
+    """Queries and documents per block so that the similarity block stays within :data:`BLOCK_BYTES`."""
+    per_pair = max(1, Lq * Ld * itemsize)
+    per_doc = max(1, Ld * dim * itemsize)
+    nk = max(1, min(K, BLOCK_BYTES // (per_pair + per_doc)))
+    nq = max(1, min(Nq, BLOCK_BYTES // (per_pair * nk)))
+    return nq, nk
+
+
+def forward(
+    Q: Tensor,
+    D: Tensor,
+    q_mask: Tensor | None,
+    d_mask: Tensor | None,
+    normalize: bool,
+    need_argmax: bool,
+) -> tuple[Tensor, Tensor]:
+    """Scores ``[Nq, K]`` (fp32, fp64 for fp64 inputs) and, if asked, argmax ``[Nq, K, Lq]`` int32 (-1 = none)."""
+    Nq, Lq, dim = Q.shape
+    Bd, K, Ld, _ = D.shape
+    acc = accum_dtype(Q.dtype)
+    scores = torch.zeros((Nq, K), dtype=acc, device=Q.device)
+    argmax = torch.full((Nq, K, Lq) if need_argmax else (0,), -1, dtype=torch.int32, device=Q.device)
+    if scores.numel() == 0 or Lq == 0 or Ld == 0:
+        return scores, argmax
+    nq, nk = _blocks(Nq if Bd == 1 else 1, K, Lq, Ld, dim, torch.finfo(acc).bits // 8)
+    if Bd != 1:
+        nq = 1  # per-query candidates: a block holds one query's own documents
+    for q0 in range(0, Nq, nq):
+        q1 = min(Nq, q0 + nq)
+        qb = Q[q0:q1].to(acc)
+        if normalize:
+            qb = qb * _inv_norm(qb)[..., None]
+        for k0 in range(0, K, nk):
+            k1 = min(K, k0 + nk)
+            b0, b1 = (0, 1) if Bd == 1 else (q0, q1)
+            db = D[b0:b1, k0:k1].to(acc)  # [b, k, Ld, dim]
+            if normalize:
+                db = db * _inv_norm(db)[..., None]
+            sim = torch.einsum("qid,bkjd->qkij", qb, db) if Bd == 1 else torch.einsum("qid,qkjd->qkij", qb, db)
+            if d_mask is not None:
+                dm = d_mask[b0:b1, k0:k1]  # [b, k, Ld]
+                sim = sim.masked_fill(~dm[:, :, None, :], float("-inf"))
+                has_valid = dm.any(dim=-1)[:, :, None]  # [b, k, 1]
+            else:
+                has_valid = torch.ones((1, 1, 1), dtype=torch.bool, device=Q.device)
+            best, arg = sim.max(dim=-1)  # [q, k, Lq]; ties -> lowest index; NaN propagates
+            valid = has_valid.expand(best.shape)
+            if q_mask is not None:
+                valid = valid & q_mask[q0:q1, None, :]
+            scores[q0:q1, k0:k1] = torch.where(valid, best, best.new_zeros(())).sum(dim=-1)
+            if need_argmax:
+                argmax[q0:q1, k0:k1] = torch.where(valid, arg, arg.new_full((), -1)).to(torch.int32)
+    return scores, argmax
+
+
+def backward(
+    grad: Tensor,
+    Q: Tensor,
+    D: Tensor,
+    argmax: Tensor,
+    normalize: bool,
+) -> tuple[Tensor, Tensor]:
+    """Gradients ``(dQ like Q, dD like D)`` from the saved argmax; masks are already folded into it (-1)."""
+    Nq, Lq, dim = Q.shape
+    Bd, K, Ld, _ = D.shape
+    acc = accum_dtype(Q.dtype)
+    dQ = torch.zeros((Nq, Lq, dim), dtype=acc, device=Q.device)
+    dD = torch.zeros((Bd, K, Ld, dim), dtype=acc, device=Q.device)
+    if Nq == 0 or K == 0 or Lq == 0 or Ld == 0:
+        return dQ.to(Q.dtype), dD.to(D.dtype)
+    Qa, Da = Q.to(acc), D.to(acc)
+    if normalize:
+        (Qa, norm_q), (Da, norm_d) = _normalized(Qa), _normalized(Da)
+    chosen = argmax >= 0  # [Nq, K, Lq]
+    weight = grad.to(acc)[:, :, None] * chosen  # [Nq, K, Lq]
+    idx = argmax.clamp_min(0).long()
+    nq = max(1, min(Nq, BLOCK_BYTES // (2 * K * Lq * dim * (torch.finfo(acc).bits // 8))))
+    dD_flat = dD.view(Bd * K * Ld, dim)
+    for q0 in range(0, Nq, nq):
+        q1 = min(Nq, q0 + nq)
+        w, ix = weight[q0:q1], idx[q0:q1]  # [q, K, Lq]
+        # Flat row index of the winning document token in D viewed as [Bd*K*Ld, dim].
+        b = torch.zeros((q1 - q0, 1, 1), dtype=torch.long, device=Q.device)
+        if Bd != 1:
+            b = torch.arange(q0, q1, device=Q.device)[:, None, None]
+        rows = (b * K + torch.arange(K, device=Q.device)[None, :, None]) * Ld + ix  # [q, K, Lq]
+        picked = Da.reshape(Bd * K * Ld, dim)[rows]  # [q, K, Lq, dim]
+        dQ[q0:q1] = torch.einsum("qkl,qkld->qld", w, picked)
+        contrib = w[..., None] * Qa[q0:q1, None, :, :]  # [q, K, Lq, dim]
+        dD_flat.index_add_(0, rows.reshape(-1), contrib.reshape(-1, dim))
+    if normalize:
+        dQ = project_normalized_grad(dQ, Qa, norm_q)
+        dD = project_normalized_grad(dD, Da, norm_d)
+    return dQ.to(Q.dtype), dD.to(D.dtype)
+
+
+def project_normalized_grad(g_hat: Tensor, x_hat: Tensor, norm: Tensor) -> Tensor:
+    """Chain a gradient w.r.t. ``x̂ = x / max(||x||, eps)`` back to ``x``: ``(ĝ − x̂ <x̂, ĝ>) / ||x||``.
+
+    ``norm`` is the unclamped ``||x||``; below ``eps`` the normalization is a plain scaling by ``1/eps`` and the
+    projection term vanishes. All tensors in the accumulation dtype; per token, O(tokens × dim).
+    """
+    radial = (x_hat * g_hat).sum(dim=-1, keepdim=True)
+    clamped = (norm < NORM_EPS)[..., None]
+    return torch.where(clamped, g_hat, g_hat - x_hat * radial) / norm.clamp_min(NORM_EPS)[..., None]

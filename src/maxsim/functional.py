@@ -1,0 +1,113 @@
+"""Public functions: validate, describe the layout, call the registered op.
+
+Every function returns float32 scores (float64 for float64 inputs) and supports autograd; gradients come back in
+the inputs' dtype. The forward saves only an int32 argmax per query token and pair for the backward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import ops, validate
+from .backend import choose_impl
+from .layout import canonical_dense, canonical_pairs
+
+
+def _deterministic(mode: str) -> bool:
+    if mode == "auto":
+        return torch.are_deterministic_algorithms_enabled()
+    return mode == "deterministic"
+
+
+def _run(Q: Tensor, D: Tensor, q_mask, d_mask, normalize: bool, backward: str) -> Tensor:
+    """Canonical ``Q [Nq, Lq, dim]``, ``D [Bd, K, Ld, dim]`` -> ``[Nq, K]``."""
+    need_argmax = torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)
+    scores, _ = ops.forward(
+        Q, D, q_mask, d_mask, normalize, need_argmax, choose_impl(Q), _deterministic(backward)
+    )
+    return scores
+
+
+def maxsim(
+    Q: Tensor,
+    D: Tensor,
+    q_mask: Tensor | None = None,
+    d_mask: Tensor | None = None,
+    *,
+    normalize: bool = False,
+    backward: str = "auto",
+) -> Tensor:
+    """Late-interaction scores ``Σ_i max_j <q_i, d_j>`` without materializing the similarity tensor.
+
+    Shapes (``dim`` shared; fp32, fp16, bf16 or fp64; Q and D on one device with one dtype):
+
+    * ``Q [Nq, Lq, dim]``, ``D [Nd, Ld, dim]`` -> ``[Nq, Nd]`` (cross product: in-batch negatives, corpus scan);
+    * ``Q [Nq, Lq, dim]``, ``D [Nq, K, Ld, dim]`` -> ``[Nq, K]`` (each query against its own K candidates);
+    * a 2-D ``Q [Lq, dim]`` or ``D [Ld, dim]`` drops that axis from the result.
+
+    Args:
+        q_mask: bool ``[Nq, Lq]`` (``[Lq]`` for 2-D Q), True = valid token. Masked query tokens contribute 0.
+        d_mask: bool ``[Nd, Ld]`` / ``[Nq, K, Ld]`` (``[Ld]`` for 2-D D), any pattern. Masked document tokens are
+            excluded from the max; a query token with no valid document token contributes 0 and gets no gradient.
+        normalize: score L2-normalized tokens (``x / max(||x||, 1e-12)``), fused into the kernels.
+        backward: ``"fast"`` (fp32 atomics in dD), ``"deterministic"`` (bitwise reproducible, no atomics) or
+            ``"auto"`` (deterministic when ``torch.are_deterministic_algorithms_enabled()``, else fast).
+
+    Returns:
+        float32 scores (float64 for float64 inputs). Ties in the max go to the lowest token index; a NaN among a
+        pair's valid tokens makes its score NaN. No host↔device synchronization.
+    """
+    validate.tensor("Q", Q, (2, 3))
+    validate.tensor("D", D, (2, 3, 4))
+    validate.same_kind(Q, D)
+    validate.flag("normalize", normalize)
+    validate.backward_mode(backward)
+    if D.dim() == 4:
+        if Q.dim() != 3:
+            raise ValueError(
+                f"D: a 4-D D [Nq, K, Ld, dim] (per-query candidates) needs a 3-D Q [Nq, Lq, dim], got Q shape "
+                f"{tuple(Q.shape)}"
+            )
+        if D.shape[0] != Q.shape[0]:
+            raise ValueError(
+                f"D: expected D.shape[0] == Nq = {Q.shape[0]} for per-query candidates [Nq, K, Ld, dim], got "
+                f"shape {tuple(D.shape)}"
+            )
+    q_mask = validate.mask("q_mask", q_mask, Q.shape[:-1], Q.device)
+    d_mask = validate.mask("d_mask", d_mask, D.shape[:-1], Q.device)
+    Qc, Dc, qm, dm, squeeze_q, squeeze_d = canonical_dense(Q, D, q_mask, d_mask)
+    scores = _run(Qc, Dc, qm, dm, normalize, backward)
+    if squeeze_d:
+        scores = scores[:, 0]
+    if squeeze_q:
+        scores = scores[0]
+    return scores
+
+
+def maxsim_pairs(
+    Q: Tensor,
+    D: Tensor,
+    q_mask: Tensor | None = None,
+    d_mask: Tensor | None = None,
+    *,
+    normalize: bool = False,
+    backward: str = "auto",
+) -> Tensor:
+    """Scores of aligned pairs: ``Q [B, Lq, dim]``, ``D [B, Ld, dim]`` -> ``[B]`` (query b against document b).
+
+    Masks: ``q_mask [B, Lq]``, ``d_mask [B, Ld]``; everything else as :func:`maxsim`.
+    """
+    validate.tensor("Q", Q, (3,))
+    validate.tensor("D", D, (3,))
+    validate.same_kind(Q, D)
+    validate.flag("normalize", normalize)
+    validate.backward_mode(backward)
+    if D.shape[0] != Q.shape[0]:
+        raise ValueError(
+            f"D: expected as many documents as queries (B = {Q.shape[0]}), got shape {tuple(D.shape)}"
+        )
+    q_mask = validate.mask("q_mask", q_mask, Q.shape[:-1], Q.device)
+    d_mask = validate.mask("d_mask", d_mask, D.shape[:-1], Q.device)
+    Qc, Dc, qm, dm = canonical_pairs(Q, D, q_mask, d_mask)
+    return _run(Qc, Dc, qm, dm, normalize, backward)[:, 0]

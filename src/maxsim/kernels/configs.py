@@ -1,0 +1,65 @@
+"""Launch configurations: a fixed heuristic keyed by coarse shape buckets, never a call-time autotune sweep.
+
+Only ``Lq``, ``dim`` (and, for the packing factor, ``Nq`` below 128 / TQ) pick a variant; ``Nq``, ``Nd``, ``K`` and
+``Ld`` are runtime arguments of every kernel, so new batch sizes or document lengths never compile anything new.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class ForwardConfig:
+    TQ: int  # query-token rows per query per block (power of two, >= 16)
+    BQ: int  # queries packed into one program (shared documents only)
+    BLOCK_N: int  # document tokens per tile
+    BLOCK_K: int  # dim chunk per MMA
+    NUM_K: int  # dim chunks
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    BT: int  # query tokens per dQ program
+    DIM_P: int  # padded dim for the gather (one row load)
+    TQ: int  # query tokens per one-hot MMA step (deterministic dD)
+    BN: int  # document tokens owned by one deterministic dD program
+    BLOCK_K: int  # dim chunk owned by one deterministic dD program
+    num_warps: int
+
+
+def _dim_split(dim: int) -> tuple[int, int]:
+    dim_p = max(16, next_pow2(dim))
+    block_k = min(dim_p, 128)
+    return block_k, dim_p // block_k
+
+
+@lru_cache(maxsize=256)
+def forward_config(Lq: int, dim: int, Nq: int, shared_docs: bool) -> ForwardConfig:
+    """Pick the forward variant. ``shared_docs``: every query sees the same documents (cross product)."""
+    TQ = min(128, max(16, next_pow2(Lq)))
+    BQ = 1
+    if shared_docs:
+        BQ = max(1, min(128 // TQ, next_pow2(Nq)))
+    block_k, num_k = _dim_split(dim)
+    block_n = 64 if num_k == 1 else 32
+    rows = BQ * TQ
+    num_warps = 8 if rows >= 128 and block_n >= 64 else 4
+    return ForwardConfig(TQ, BQ, block_n, block_k, num_k, num_warps, 3)
+
+
+@lru_cache(maxsize=256)
+def backward_config(Lq: int, dim: int) -> BackwardConfig:
+    dim_p = max(16, next_pow2(dim))
+    bt = max(16, min(64, 4096 // dim_p))
+    bt = min(bt, max(16, next_pow2(Lq)))
+    tq = min(64, max(16, next_pow2(Lq)))
+    block_k = min(dim_p, 128)
+    return BackwardConfig(bt, dim_p, tq, 64, block_k, 4)

@@ -1,0 +1,135 @@
+"""The forward kernel: one Triton core for every layout.
+
+A program owns ``BQ`` queries (``BQ * TQ`` rows of the MMA's M dimension) and one document. It streams the
+document in ``BLOCK_N``-token tiles, keeps a running row max (and, for training, its argmax) in registers, and never
+writes the ``[Lq, Ld]`` similarity block anywhere. Packing several queries into M (only where they share the document,
+i.e. the cross product, ``Bd == 1``) lets one loaded document tile serve all of them. Queries longer than ``TQ`` rows
+are walked in ``TQ``-row blocks by the same program, so the per-query sum stays in registers (deterministic, no
+atomics).
+
+Semantics (design.md §1) live here and nowhere else on the GPU: masked document tokens are ``-inf`` before the max; a
+query row that is masked or sees no valid document token contributes 0 and argmax -1; ties go to the lowest index
+(strict ``>`` across tiles, ``tie_break_left`` within one); NaN propagates through the max.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+NORM_EPS: tl.constexpr = tl.constexpr(1e-12)
+
+
+@triton.jit
+def nan_max(a, b):
+    """``max`` that propagates NaN (``tl.max`` ignores it)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _load_q_chunk(q_rows, row_ok, kc, dim, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    kd = kc * BLOCK_K + tl.arange(0, BLOCK_K)
+    qt = tl.load(q_rows[:, None] + kd[None, :], mask=row_ok[:, None] & (kd[None, :] < dim), other=0.0)
+    if UPCAST:
+        qt = qt.to(tl.float32)
+    return qt
+
+
+@triton.jit(
+    do_not_specialize=[
+        "Nq", "K", "Lq", "Ld", "sq_n", "sd_b", "sd_k", "sqm_n", "sdm_b", "sdm_k", "n_qblocks",
+    ]
+)
+def maxsim_fwd_kernel(
+    Q, D, QM, DM, OUT, ARG,
+    Nq, K, Lq, Ld, dim,
+    sq_n, sq_l,
+    sd_b, sd_k, sd_l,
+    sqm_n, sqm_l,
+    sdm_b, sdm_k, sdm_l,
+    n_qblocks,
+    TQ: tl.constexpr, BQ: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
+    HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr, NORMALIZE: tl.constexpr, SAVE_ARGMAX: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    BLOCK_M: tl.constexpr = BQ * TQ
+    pid = tl.program_id(0)
+    # Query blocks vary fastest, so programs that run together share a document tile through L2.
+    qb = pid % n_qblocks
+    kk = (pid // n_qblocks).to(tl.int64)
+    r = tl.arange(0, BLOCK_M)
+    q_idx = qb * BQ + r // TQ
+    q_in = q_idx < Nq
+    q_first = (qb * BQ).to(tl.int64)
+    d_doc = D + q_first * sd_b + kk * sd_k  # BQ > 1 only when sd_b == 0 (shared documents)
+    dm_doc = DM + q_first * sdm_b + kk * sdm_k
+    cols0 = tl.arange(0, BLOCK_N)
+
+    score = tl.zeros([BQ], dtype=tl.float32)
+    for t0 in range(0, Lq, TQ):
+        t = t0 + r % TQ
+        row_ok = q_in & (t < Lq)
+        if HAS_QMASK:
+            row_ok = row_ok & (tl.load(QM + q_idx * sqm_n + t * sqm_l, mask=row_ok, other=0) != 0)
+        q_rows = Q + q_idx.to(tl.int64) * sq_n + t * sq_l
+        if NUM_K == 1:
+            qt = _load_q_chunk(q_rows, row_ok, 0, dim, BLOCK_K, UPCAST)
+
+        m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        a = tl.zeros([BLOCK_M], dtype=tl.int32)
+        any_valid = tl.zeros([BLOCK_N], dtype=tl.int32)
+        for n0 in range(0, Ld, BLOCK_N):
+            cols = n0 + cols0
+            in_doc = cols < Ld
+            col_ok = in_doc
+            if HAS_DMASK:
+                col_ok = col_ok & (tl.load(dm_doc + cols * sdm_l, mask=in_doc, other=0) != 0)
+            s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            if NORMALIZE:
+                sumsq = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for kc in tl.static_range(NUM_K):
+                if NUM_K > 1:
+                    qt = _load_q_chunk(q_rows, row_ok, kc, dim, BLOCK_K, UPCAST)
+                kd = kc * BLOCK_K + tl.arange(0, BLOCK_K)
+                dt = tl.load(
+                    d_doc + cols[None, :] * sd_l + kd[:, None],
+                    mask=in_doc[None, :] & (kd[:, None] < dim),
+                    other=0.0,
+                )  # [BLOCK_K, BLOCK_N]
+                if NORMALIZE:
+                    dtf = dt.to(tl.float32)
+                    sumsq += tl.sum(dtf * dtf, axis=0)
+                if UPCAST:
+                    dt = dt.to(tl.float32)
+                s = tl.dot(qt, dt, s, input_precision=DOT_PRECISION)
+            if NORMALIZE:
+                s = s * (1.0 / tl.maximum(tl.sqrt(sumsq), NORM_EPS))[None, :]
+            s = tl.where(col_ok[None, :], s, float("-inf"))
+            tile_max = tl.reduce(s, 1, nan_max)
+            if SAVE_ARGMAX:
+                tile_arg = tl.argmax(s, axis=1, tie_break_left=True).to(tl.int32)
+                a = tl.where(tile_max > m, tile_arg + n0, a)
+            m = nan_max(m, tile_max)
+            any_valid = tl.maximum(any_valid, col_ok.to(tl.int32))
+
+        if NORMALIZE:
+            # The query's norm is a positive per-row factor: it scales the max without moving the argmax.
+            sumsq_q = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for kc in tl.static_range(NUM_K):
+                if NUM_K > 1:
+                    qt = _load_q_chunk(q_rows, row_ok, kc, dim, BLOCK_K, UPCAST)
+                qf = qt.to(tl.float32)
+                sumsq_q += tl.sum(qf * qf, axis=1)
+            m = m * (1.0 / tl.maximum(tl.sqrt(sumsq_q), NORM_EPS))
+        row_live = row_ok & (tl.zeros([BLOCK_M], dtype=tl.int32) + tl.max(any_valid, axis=0) > 0)
+        row_val = tl.where(row_live, m, 0.0)
+        score += tl.sum(tl.reshape(row_val, [BQ, TQ]), axis=1)
+        if SAVE_ARGMAX:
+            tl.store(
+                ARG + (q_idx.to(tl.int64) * K + kk) * Lq + t,
+                tl.where(row_live, a, -1),
+                mask=q_in & (t < Lq),
+            )
+
+    q_out = qb * BQ + tl.arange(0, BQ)
+    tl.store(OUT + q_out.to(tl.int64) * K + kk, score, mask=q_out < Nq)

@@ -1,0 +1,52 @@
+"""Every dense layout as one canonical form: ``Q [Nq, Lq, dim]`` against ``D [Bd, K, Ld, dim]``.
+
+* cross (in-batch, corpus scan): ``D [Nd, Ld, dim]`` becomes ``[1, Nd, Ld, dim]`` — ``Bd = 1``, every query sees the
+  same ``K = Nd`` documents, so the kernels may pack several queries against one document tile;
+* per-query candidates: ``D [Nq, K, Ld, dim]`` is already canonical — ``Bd = Nq``;
+* pairs: ``D [B, Ld, dim]`` becomes ``[B, 1, Ld, dim]`` — candidates with ``K = 1``.
+
+Scores come out as ``[Nq, K]``; the functional layer views them back. All conversions here are views (no copies,
+no device syncs).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+NORM_EPS = 1e-12
+"""``normalize=True`` divides each token by ``max(||x||, NORM_EPS)``, as ``torch.nn.functional.normalize``."""
+
+
+def accum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Scores and accumulators: fp32 for fp32/fp16/bf16 inputs, fp64 for fp64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def canonical_dense(
+    Q: Tensor, D: Tensor, q_mask: Tensor | None, d_mask: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, bool, bool]:
+    """Views of validated :func:`maxsim.maxsim` arguments in canonical form.
+
+    Returns ``(Q [Nq, Lq, dim], D [Bd, K, Ld, dim], q_mask [Nq, Lq] | None, d_mask [Bd, K, Ld] | None, squeeze_q,
+    squeeze_d)``; the two flags say which axes of the ``[Nq, K]`` result to drop.
+    """
+    squeeze_q = Q.dim() == 2
+    squeeze_d = D.dim() == 2
+    if squeeze_q:
+        Q = Q.unsqueeze(0)
+        q_mask = None if q_mask is None else q_mask.unsqueeze(0)
+    if squeeze_d:
+        D = D.unsqueeze(0)
+        d_mask = None if d_mask is None else d_mask.unsqueeze(0)
+    if D.dim() == 3:
+        D = D.unsqueeze(0)
+        d_mask = None if d_mask is None else d_mask.unsqueeze(0)
+    return Q, D, q_mask, d_mask, squeeze_q, squeeze_d
+
+
+def canonical_pairs(
+    Q: Tensor, D: Tensor, q_mask: Tensor | None, d_mask: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """``Q [B, Lq, dim]``, ``D [B, Ld, dim]`` as candidates with ``K = 1``."""
+    return Q, D.unsqueeze(1), q_mask, None if d_mask is None else d_mask.unsqueeze(1)

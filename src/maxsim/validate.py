@@ -1,0 +1,69 @@
+"""Argument checks for the public functions: shapes, dtypes and devices only, so they never sync with a device.
+
+Every failure is a ``TypeError`` (wrong kind of thing: not a tensor, integer dtype, mixed dtypes) or a
+``ValueError`` (wrong shape, device or option) whose message names the argument, what was expected and what came.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+BACKWARD_MODES = ("auto", "fast", "deterministic")
+
+
+def tensor(name: str, x: object, ndims: tuple[int, ...]) -> Tensor:
+    """``x`` must be a floating tensor of one of the given ranks."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name}: expected a floating tensor (float32, float16, bfloat16 or float64), got dtype {x.dtype}"
+        )
+    if x.dim() not in ndims:
+        want = " or ".join(f"{n}-D" for n in ndims)
+        raise ValueError(f"{name}: expected a {want} tensor, got {x.dim()}-D with shape {tuple(x.shape)}")
+    return x
+
+
+def same_kind(Q: Tensor, D: Tensor) -> None:
+    """Q and D share a dtype, a device and the token dimension."""
+    if Q.dtype != D.dtype:
+        raise TypeError(f"D: expected the same dtype as Q ({Q.dtype}), got {D.dtype}")
+    if Q.device != D.device:
+        raise ValueError(f"D: expected the same device as Q ({Q.device}), got {D.device}")
+    if Q.shape[-1] != D.shape[-1]:
+        raise ValueError(
+            f"D: expected token dim {Q.shape[-1]} (the last dim of Q), got {D.shape[-1]} "
+            f"(Q shape {tuple(Q.shape)}, D shape {tuple(D.shape)})"
+        )
+    if Q.shape[-1] == 0:
+        raise ValueError(f"Q: expected a token dim of at least 1, got shape {tuple(Q.shape)}")
+
+
+def mask(name: str, m: object, shape: tuple[int, ...], device: torch.device) -> Tensor | None:
+    """``m`` is None or a bool tensor of exactly ``shape`` on ``device``."""
+    if m is None:
+        return None
+    if not isinstance(m, Tensor):
+        raise TypeError(f"{name}: expected a bool torch.Tensor or None, got {type(m).__name__}")
+    if m.dtype != torch.bool:
+        raise TypeError(f"{name}: expected dtype torch.bool (True = valid token), got {m.dtype}")
+    if tuple(m.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(m.shape)}")
+    if m.device != device:
+        raise ValueError(f"{name}: expected device {device} (as Q), got {m.device}")
+    return m
+
+
+def backward_mode(mode: object) -> str:
+    if not isinstance(mode, str) or mode not in BACKWARD_MODES:
+        raise ValueError(f"backward: expected one of {BACKWARD_MODES}, got {mode!r}")
+    return mode
+
+
+def flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+    return value

@@ -1,0 +1,59 @@
+"""Fixtures shared by the test-suite: the device, the backend choice, seeding and the ``cuda`` marker.
+
+Tests run on "cuda" when a GPU is present, else on "cpu". The Triton backend is exercised on CUDA tensors,
+and on CPU tensors only when ``TRITON_INTERPRET=1`` was set before import (the Triton interpreter).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from helpers import backends_for, triton_usable  # noqa: E402
+
+import maxsim  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    return "cuda" if HAS_CUDA else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_restore_backend():
+    """Every test starts from a fixed global seed and the default backend, whatever the previous test did."""
+    torch.manual_seed(0)
+    before = maxsim.get_backend()
+    yield
+    maxsim.set_backend(before)
+
+
+@pytest.fixture(params=["torch", "triton"])
+def backend(request, device):
+    """Runs the test under ``maxsim.backend(name)``; "triton" is skipped where the kernels cannot run."""
+    name = request.param
+    if name == "triton" and not triton_usable(device):
+        pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
+    with maxsim.backend(name):
+        yield name
+
+
+@pytest.fixture
+def available_backends(device) -> list[str]:
+    return backends_for(device)

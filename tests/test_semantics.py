@@ -1,0 +1,339 @@
+"""The semantics of design.md §1 on every backend: masks, fully masked rows, NaN, ties, empty batches,
+backward modes, normalization, and the backend switch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import (
+    INTERPRET,
+    Inputs,
+    assert_matches_reference,
+    assert_same_nan,
+    assert_scores_close,
+    check_parity,
+    int_grid,
+    lib_forward_backward,
+    make_inputs,
+    randn,
+    score_magnitude,
+    seed_of,
+    shapes_of,
+    similarities,
+    upstream_grad,
+)
+
+import maxsim
+
+LAYOUT_ARGS = {"cross": (3, 4), "candidates": (3, 2), "pairs": (4, 0)}  # (n, m) per layout
+DT2 = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+
+
+def _inputs(layout, lq, ld, dim, *, dtype=torch.float32, device="cpu", masks=None, seed=0, exact=False):
+    n, m = LAYOUT_ARGS[layout]
+    return make_inputs(
+        layout, n, m, lq, ld, dim, dtype=dtype, device=device, masks=masks, seed=seed, exact=exact
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# masks
+
+
+@pytest.mark.parametrize("dtype", DT2)
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalize"])
+@pytest.mark.parametrize("layout", ["cross", "candidates", "pairs"])
+def test_fully_masked_rows(layout, normalize, dtype, backend, device):
+    """A fully masked query or document contributes exactly 0 and gets exactly zero gradient (so do masked
+    tokens)."""
+    inp = _inputs(layout, 7, 9, 16, dtype=dtype, device=device, masks="empty", seed=seed_of("fm", layout))
+    s, dQ, dD = check_parity(inp, normalize=normalize, seed=seed_of("fm", layout, normalize))
+    zero = torch.zeros((), dtype=s.dtype, device=s.device)
+    assert torch.equal(s[0], torch.zeros_like(s[0])), f"fully masked query 0 scored {s[0]}"
+    if layout == "cross":
+        assert torch.equal(s[:, -1], torch.zeros_like(s[:, -1])), f"fully masked document scored {s[:, -1]}"
+    elif layout == "candidates":
+        assert s[-1, -1] == zero
+    else:
+        assert s[-1] == zero
+    # masked query tokens and masked document tokens get exactly zero gradient
+    assert bool((dQ[~inp.q_mask] == 0).all()), "masked query tokens got a gradient"
+    assert bool((dD[~inp.d_mask] == 0).all()), "masked document tokens got a gradient"
+    # a query token that sees only a fully masked document in pairs gets no gradient either
+    if layout == "pairs":
+        assert bool((dQ[-1] == 0).all())
+
+
+@pytest.mark.parametrize("layout", ["cross", "candidates", "pairs"])
+def test_everything_masked(layout, backend, device):
+    inp = _inputs(layout, 5, 6, 8, device=device, masks="holes", seed=1)
+    for qm, dm in (
+        (torch.zeros_like(inp.q_mask), inp.d_mask),
+        (inp.q_mask, torch.zeros_like(inp.d_mask)),
+    ):
+        case = inp.with_(q_mask=qm, d_mask=dm)
+        s, dQ, dD, _ = lib_forward_backward(case)
+        assert torch.equal(s, torch.zeros_like(s))
+        assert torch.equal(dQ, torch.zeros_like(dQ))
+        assert torch.equal(dD, torch.zeros_like(dD))
+
+
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalize"])
+@pytest.mark.parametrize("poison", ["nan", "inf"])
+@pytest.mark.parametrize("layout", ["cross", "candidates", "pairs"])
+def test_masked_tokens_are_ignored(layout, poison, normalize, backend, device):
+    """NaN / inf in masked query or document tokens change neither the scores nor the gradients."""
+    clean = _inputs(layout, 7, 40, 16, device=device, masks="holes", seed=seed_of("poison", layout))
+    value = float("nan") if poison == "nan" else float("inf")
+    Q = clean.Q.clone()
+    D = clean.D.clone()
+    Q[~clean.q_mask] = value
+    D[~clean.d_mask] = value
+    dirty = clean.with_(Q=Q, D=D)
+    s, dQ, dD, grad = lib_forward_backward(dirty, normalize=normalize)
+    assert_matches_reference(clean, s, dQ, dD, grad, normalize=normalize)
+    assert bool((dQ[~clean.q_mask] == 0).all()), "masked (poisoned) query tokens got a gradient"
+    assert bool((dD[~clean.d_mask] == 0).all()), "masked (poisoned) document tokens got a gradient"
+
+
+# ----------------------------------------------------------------------------------------------------
+# NaN
+
+
+@pytest.mark.parametrize("dtype", DT2)
+@pytest.mark.parametrize("where", ["doc-first", "doc-middle", "doc-last", "query"])
+@pytest.mark.parametrize("layout", ["cross", "candidates"])
+def test_nan_in_valid_token_propagates(layout, where, dtype, backend, device):
+    """A NaN in a valid token makes the pair's score NaN (never skipped, wherever it sits in the document)."""
+    ld = 300  # several document tiles: the NaN must survive later tiles with larger similarities
+    inp = _inputs(layout, 5, ld, 16, dtype=dtype, device=device, masks="empty", seed=seed_of("nan", layout))
+    Q, D = inp.Q.clone(), inp.D.clone()
+    qm, dm = inp.q_mask.clone(), inp.d_mask.clone()
+    if where == "query":
+        Q[1, 2, 3] = float("nan")
+        qm[1, 2] = True
+    else:
+        pos = {"doc-first": 0, "doc-middle": 150, "doc-last": ld - 1}[where]
+        idx = (1, pos) if layout == "cross" else (1, 0, pos)
+        D[idx + (5,)] = float("nan")
+        dm[idx] = True
+    case = inp.with_(Q=Q, D=D, q_mask=qm, d_mask=dm)
+    s = maxsim.maxsim(case.Q, case.D, case.q_mask, case.d_mask)
+    expected = maxsim.reference.maxsim(case.Q.double(), case.D.double(), case.q_mask, case.d_mask)
+    assert bool(torch.isnan(expected).any())  # the test poisons a pair that counts
+    assert_same_nan(s, expected, "scores")
+    keep = ~torch.isnan(expected)
+    mag = score_magnitude(case, False, expected.shape)
+    assert_scores_close(s[keep], expected[keep], dtype=dtype, magnitude=mag[keep])
+
+
+# ----------------------------------------------------------------------------------------------------
+# ties
+
+
+def _planted_ties(layout, dtype, device, *, seed):
+    """Integer data where query token i's best document token is duplicated at positions (lo_i, hi_i).
+
+    Returns (inputs, [(lo, hi), ...]). Duplicates sit in one tile, in neighbouring tiles and at both ends.
+    """
+    lq, ld, dim = 5, 300, 16
+    pairs = [(0, ld - 1), (5, 6), (70, 140), (100, 101), (3, 200)]
+    inp = _inputs(layout, lq, ld, dim, dtype=torch.float32, device=device, seed=seed, exact=True)
+    D = int_grid(inp.D.shape, seed=seed + 5, high=1, device=device)  # small background tokens
+    anchors = 3 * int_grid((lq, dim), seed=seed + 6, high=1, device=device)
+    for i, (lo, hi) in enumerate(pairs):
+        D[..., lo, :] = anchors[i]
+        D[..., hi, :] = anchors[i]
+    noise = int_grid(inp.Q.shape, seed=seed + 7, high=1, device=device)
+    Q = anchors.expand_as(inp.Q) + noise  # each query token aims at its anchor
+    return inp.with_(Q=Q.to(dtype), D=D.to(dtype)), pairs
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        pytest.param(torch.float32, id="fp32"),
+        pytest.param(torch.float16, id="fp16"),
+        pytest.param(torch.bfloat16, id="bf16"),
+    ],
+)
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalize"])
+@pytest.mark.parametrize("layout", ["cross", "candidates", "pairs"])
+def test_ties_go_to_lowest_index(layout, normalize, dtype, backend, device):
+    """Exact duplicates of the best document token: the gradient goes to the lowest index, as torch.max."""
+    inp, pairs = _planted_ties(layout, dtype, device, seed=seed_of("ties", layout))
+    sim, _ = similarities(inp, normalize)
+    best = sim.amax(-1, keepdim=True)
+    for i, (lo, hi) in enumerate(pairs):  # the planted duplicates really are the (tied) max
+        assert bool((sim[:, :, i, lo] == best[:, :, i, 0]).all()) and bool(
+            (sim[:, :, i, hi] == best[:, :, i, 0]).all()
+        )
+    s, dQ, dD = check_parity(inp, normalize=normalize, exact=True)  # no near-tie exclusion: ties are exact
+    for lo, hi in pairs:
+        assert bool((dD[..., hi, :] == 0).all()), f"duplicate token {hi} (of {lo}) got a gradient"
+        assert bool((dD[..., lo, :] != 0).any()), f"token {lo} got no gradient"
+
+    # with the lower duplicate masked, the higher one wins
+    dm = torch.ones(inp.D.shape[:-1], dtype=torch.bool, device=device)
+    for lo, _ in pairs:
+        dm[..., lo] = False
+    masked = inp.with_(d_mask=dm)
+    s, dQ, dD = check_parity(masked, normalize=normalize, exact=True)
+    for lo, hi in pairs:
+        assert bool((dD[..., lo, :] == 0).all())
+        assert bool((dD[..., hi, :] != 0).any())
+
+
+@pytest.mark.parametrize("layout", ["cross", "candidates", "pairs"])
+def test_natural_ties_integer_data(layout, backend, device):
+    """Small-integer tokens (±1, dim 8) tie everywhere; exact arithmetic must resolve them like torch.max."""
+    n, m = LAYOUT_ARGS[layout]
+    qs, ds = shapes_of(layout, n, m, 9, 80, 8)
+    seed = seed_of("natural", layout)
+    Q = int_grid(qs, seed=seed, high=1, device=device)
+    D = int_grid(ds, seed=seed + 1, high=1, device=device)
+    dm = (torch.rand(ds[:-1], generator=torch.Generator().manual_seed(seed + 2)) < 0.8).to(device)
+    inp = Inputs(layout, Q, D, None, dm)
+    s = check_parity(inp, exact=True)[0]
+    assert torch.equal(
+        s.double(),
+        maxsim.reference.maxsim_pairs(Q, D, None, dm)
+        if layout == "pairs"
+        else maxsim.reference.maxsim(Q, D, None, dm),
+    ), "integer scores must be exact"
+
+
+# ----------------------------------------------------------------------------------------------------
+# backward modes
+
+
+@pytest.mark.parametrize("dtype", DT2)
+@pytest.mark.parametrize("layout", ["cross", "candidates", "pairs"])
+def test_backward_modes_agree_and_deterministic_is_bitwise(layout, dtype, backend, device):
+    """Backward "fast", "deterministic" and "auto" give the same gradients; "deterministic" is bitwise
+    reproducible."""
+    n, m = {"cross": (6, 3), "candidates": (4, 3), "pairs": (6, 0)}[layout]
+    # few document tokens, many query tokens: many queries pick the same document token (contended scatter)
+    inp = make_inputs(
+        layout, n, m, 33, 6, 64, dtype=dtype, device=device, masks="holes", seed=seed_of("bw", layout)
+    )
+    results = {}
+    for mode in ("fast", "deterministic", "auto"):
+        results[mode] = check_parity(inp, normalize=True, backward=mode, seed=11)
+    s_f, dQ_f, dD_f = results["fast"]
+    for mode in ("deterministic", "auto"):
+        s, dQ, dD = results[mode]
+        assert torch.equal(s, s_f), f"scores depend on backward={mode!r}"
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(dQ, dQ_f, rtol=tol, atol=tol * float(dQ_f.abs().max()))
+        torch.testing.assert_close(dD, dD_f, rtol=tol, atol=tol * float(dD_f.abs().max()))
+    grad = upstream_grad(s_f.shape, seed=11 + 5, device=device)
+    _, dQ1, dD1, _ = lib_forward_backward(inp, normalize=True, backward="deterministic", grad=grad)
+    _, dQ2, dD2, _ = lib_forward_backward(inp, normalize=True, backward="deterministic", grad=grad)
+    assert torch.equal(dQ1, dQ2) and torch.equal(dD1, dD2), (
+        "backward='deterministic' is not bitwise reproducible"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# empty batches
+
+EMPTY_CASES = {
+    # name: (Q shape, D shape, q_mask shape, d_mask shape, expected output shape, pairs?)
+    "cross-Nq0": ((0, 5, 8), (3, 6, 8), (0, 5), (3, 6), (0, 3), False),
+    "cross-Nd0": ((2, 5, 8), (0, 6, 8), (2, 5), (0, 6), (2, 0), False),
+    "cross-both0": ((0, 5, 8), (0, 6, 8), (0, 5), (0, 6), (0, 0), False),
+    "candidates-Nq0": ((0, 5, 8), (0, 3, 6, 8), (0, 5), (0, 3, 6), (0, 3), False),
+    "candidates-K0": ((2, 5, 8), (2, 0, 6, 8), (2, 5), (2, 0, 6), (2, 0), False),
+    "pairs-B0": ((0, 5, 8), (0, 6, 8), (0, 5), (0, 6), (0,), True),
+    "Q2D-Nd0": ((5, 8), (0, 6, 8), (5,), (0, 6), (0,), False),
+    "D2D-Nq0": ((0, 5, 8), (6, 8), (0, 5), (6,), (0,), False),
+}
+
+
+@pytest.mark.parametrize("with_masks", [False, True], ids=["nomask", "masks"])
+@pytest.mark.parametrize("name", list(EMPTY_CASES))
+def test_empty_batches(name, with_masks, backend, device):
+    qs, ds, qms, dms, out_shape, pairs = EMPTY_CASES[name]
+    Q = randn(qs, seed=1, device=device).requires_grad_()
+    D = randn(ds, seed=2, device=device).requires_grad_()
+    qm = torch.ones(qms, dtype=torch.bool, device=device) if with_masks else None
+    dm = torch.ones(dms, dtype=torch.bool, device=device) if with_masks else None
+    fn = maxsim.maxsim_pairs if pairs else maxsim.maxsim
+    s = fn(Q, D, qm, dm)
+    assert s.shape == out_shape and s.dtype == torch.float32 and s.device == Q.device
+    s.sum().backward()
+    for name_, x in (("Q", Q), ("D", D)):
+        assert x.grad is not None, f"no gradient for {name_} with an empty batch"
+        assert x.grad.shape == x.shape and x.grad.dtype == x.dtype
+        assert bool((x.grad == 0).all())
+
+
+# ----------------------------------------------------------------------------------------------------
+# normalization
+
+
+def test_normalize_is_scale_invariant(backend, device):
+    """normalize=True: scaling a token by c > 0 leaves the scores unchanged and divides its gradient by c."""
+    inp = make_inputs("cross", 2, 3, 7, 20, 32, device=device, masks="holes", seed=5)
+    cq = (
+        torch.rand(inp.Q.shape[:-1], generator=torch.Generator().manual_seed(6)).to(device)[..., None] * 4
+        + 0.25
+    )
+    cd = (
+        torch.rand(inp.D.shape[:-1], generator=torch.Generator().manual_seed(7)).to(device)[..., None] * 4
+        + 0.25
+    )
+    s, dQ, dD, grad = lib_forward_backward(inp, normalize=True)
+    s2, dQ2, dD2, _ = lib_forward_backward(inp.with_(Q=inp.Q * cq, D=inp.D * cd), normalize=True, grad=grad)
+    torch.testing.assert_close(s2, s, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dQ2 * cq, dQ, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(dD2 * cd, dD, rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------
+# backend switch
+
+
+def test_backend_switch_api():
+    assert maxsim.get_backend() == "auto"
+    maxsim.set_backend("torch")
+    assert maxsim.get_backend() == "torch"
+    with maxsim.backend("auto"):
+        assert maxsim.get_backend() == "auto"
+        with maxsim.backend("torch"):
+            assert maxsim.get_backend() == "torch"
+        assert maxsim.get_backend() == "auto"
+    assert maxsim.get_backend() == "torch"
+    with pytest.raises(RuntimeError), maxsim.backend("auto"):
+        raise RuntimeError("boom")
+    assert maxsim.get_backend() == "torch", "the context manager must restore the backend on error"
+    maxsim.set_backend("auto")
+    with pytest.raises(ValueError, match="nonsense"):
+        maxsim.set_backend("nonsense")
+    for bad in ("cuda", "Torch", ""):
+        with pytest.raises(ValueError):
+            maxsim.set_backend(bad)
+        with pytest.raises(ValueError), maxsim.backend(bad):
+            pass
+    assert maxsim.get_backend() == "auto"
+
+
+def test_auto_backend_is_the_device_default(device):
+    """Backend "auto" = the Triton kernels on CUDA tensors, the PyTorch path on CPU tensors (bitwise)."""
+    inp = make_inputs("cross", 2, 3, 7, 20, 32, device=device, masks="holes", seed=8)
+    explicit = "triton" if device == "cuda" else "torch"
+    with maxsim.backend("auto"):
+        a = maxsim.maxsim(inp.Q, inp.D, inp.q_mask, inp.d_mask, normalize=True)
+    with maxsim.backend(explicit):
+        b = maxsim.maxsim(inp.Q, inp.D, inp.q_mask, inp.d_mask, normalize=True)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(
+    INTERPRET or torch.cuda.is_available(), reason="only without the interpreter, on CPU tensors"
+)
+def test_triton_backend_on_cpu_needs_the_interpreter():
+    inp = make_inputs("cross", 2, 3, 7, 20, 32, seed=9)
+    with pytest.raises(ValueError, match="(?i)triton|interpret"), maxsim.backend("triton"):
+        maxsim.maxsim(inp.Q, inp.D)
