@@ -247,9 +247,7 @@ def upstream_grad(shape, *, seed: int, device) -> Tensor:
     return randn(shape, seed=seed, dtype=torch.float32, device=device) + 0.5
 
 
-def lib_forward_backward(
-    inp: Inputs, *, normalize=False, backward="auto", grad: Tensor | None = None, seed=7
-):
+def lib_forward_backward(inp: Inputs, *, normalize=False, backward="auto", grad: Tensor | None = None, seed=7):
     """(scores, dQ, dD) of the library. The leaves keep the inputs' strides (non-contiguous views stay so)."""
     Q = inp.Q.detach().requires_grad_()
     D = inp.D.detach().requires_grad_()
@@ -328,9 +326,7 @@ def assert_scores_close(actual: Tensor, expected: Tensor, *, dtype, magnitude: T
     assert err <= tol, f"{what} ({dtype}): relative error {err:.3g} > {tol:g}"
 
 
-def assert_grads_close(
-    actual: Tensor | None, expected: Tensor, *, dtype, keep: Tensor | None = None, what="grad"
-):
+def assert_grads_close(actual: Tensor | None, expected: Tensor, *, dtype, keep: Tensor | None = None, what="grad"):
     """A gradient in the input dtype, within ``tol * (|expected| + max|expected|)`` (on ``keep``)."""
     tol = GRAD_TOL[dtype]
     assert actual is not None, f"{what}: no gradient (None)"
@@ -338,14 +334,10 @@ def assert_grads_close(
     assert actual.dtype == dtype, f"{what}: dtype {actual.dtype}, expected the input dtype {dtype}"
     a = actual.detach().double().cpu()
     b = expected.detach().double().cpu()
-    assert bool(torch.isfinite(a).all()), (
-        f"{what}: non-finite values at {(~torch.isfinite(a)).nonzero().tolist()[:8]}"
-    )
+    assert bool(torch.isfinite(a).all()), f"{what}: non-finite values at {(~torch.isfinite(a)).nonzero().tolist()[:8]}"
     if keep is not None:
         k = keep.cpu()
-        assert bool(k.float().mean() > 0.5) or k.numel() < 4, (
-            f"{what}: too many near-ties to compare ({k.sum()})"
-        )
+        assert bool(k.float().mean() > 0.5) or k.numel() < 4, f"{what}: too many near-ties to compare ({k.sum()})"
         a, b = a[k], b[k]
     amax = b.abs().max().item() if b.numel() else 0.0
     bound = tol * (b.abs() + amax) + 1e-30

@@ -60,9 +60,7 @@ PAIR_CASES = [
 @pytest.mark.parametrize("case", CROSS_CASES, ids=case_id)
 def test_cross(case, dtype, backend, device):
     nq, nd, lq, ld, dim, masks, normalize = case
-    inp = make_inputs(
-        "cross", nq, nd, lq, ld, dim, dtype=dtype, device=device, masks=masks, seed=seed_of(case)
-    )
+    inp = make_inputs("cross", nq, nd, lq, ld, dim, dtype=dtype, device=device, masks=masks, seed=seed_of(case))
     s, _, _ = check_parity(inp, normalize=normalize, seed=seed_of(case))
     assert s.shape == (nq, nd)
 
@@ -71,9 +69,7 @@ def test_cross(case, dtype, backend, device):
 @pytest.mark.parametrize("case", CANDIDATE_CASES, ids=case_id)
 def test_candidates(case, dtype, backend, device):
     nq, k, lq, ld, dim, masks, normalize = case
-    inp = make_inputs(
-        "candidates", nq, k, lq, ld, dim, dtype=dtype, device=device, masks=masks, seed=seed_of(case)
-    )
+    inp = make_inputs("candidates", nq, k, lq, ld, dim, dtype=dtype, device=device, masks=masks, seed=seed_of(case))
     s, _, _ = check_parity(inp, normalize=normalize, seed=seed_of(case))
     assert s.shape == (nq, k)
 
@@ -87,16 +83,12 @@ def test_pairs(case, dtype, backend, device):
     assert s.shape == (b,)
 
 
-@pytest.mark.parametrize(
-    "dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
-)
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")])
 @pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalize"])
 @pytest.mark.parametrize("squeeze", ["Q2D", "D2D", "both"])
 def test_squeezed_shapes(squeeze, normalize, dtype, backend, device):
     """2-D Q [Lq, dim] and/or 2-D D [Ld, dim] (with masks [Lq] / [Ld]) drop that axis of the result."""
-    full = make_inputs(
-        "cross", 3, 4, 7, 33, 48, dtype=dtype, device=device, masks="holes", seed=seed_of(squeeze)
-    )
+    full = make_inputs("cross", 3, 4, 7, 33, 48, dtype=dtype, device=device, masks="holes", seed=seed_of(squeeze))
     Q, qm, D, dm = full.Q, full.q_mask, full.D, full.d_mask
     if squeeze in ("Q2D", "both"):
         Q, qm = Q[1], qm[1]
@@ -138,9 +130,7 @@ def _noncontiguous(layout: str, dtype, device, seed: int) -> Inputs:
     return Inputs(layout, Q, D, qm, dm)
 
 
-@pytest.mark.parametrize(
-    "dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
-)
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")])
 @pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalize"])
 @pytest.mark.parametrize("layout", ["cross", "candidates", "pairs"])
 def test_noncontiguous_inputs(layout, normalize, dtype, backend, device):
@@ -188,9 +178,7 @@ def test_float64_inputs(device):
     """fp64 inputs give fp64 scores and gradients at fp64 accuracy (PyTorch path)."""
     with maxsim.backend("torch"):
         for layout, m in (("cross", 3), ("candidates", 2), ("pairs", 0)):
-            inp = make_inputs(
-                layout, 2, m, 7, 11, 16, dtype=torch.float64, device=device, masks="empty", seed=3
-            )
+            inp = make_inputs(layout, 2, m, 7, 11, 16, dtype=torch.float64, device=device, masks="empty", seed=3)
             s, dQ, dD = check_parity(inp, normalize=True, seed=3)
             assert s.dtype == torch.float64 and dQ.dtype == torch.float64 and dD.dtype == torch.float64
 
@@ -210,9 +198,7 @@ def test_module_matches_functional(layout, backend, device):
     if layout == "pairs":
         expected = maxsim.maxsim_pairs(inp.Q, inp.D, inp.q_mask, inp.d_mask, normalize=True)
     else:
-        expected = maxsim.maxsim(
-            inp.Q, inp.D, inp.q_mask, inp.d_mask, normalize=True, backward="deterministic"
-        )
+        expected = maxsim.maxsim(inp.Q, inp.D, inp.q_mask, inp.d_mask, normalize=True, backward="deterministic")
     torch.testing.assert_close(s, expected, rtol=1e-6, atol=1e-5)
     grad = upstream_grad(expected.shape, seed=1, device=device)
     rs, _, _ = ref_forward_backward(inp, grad, normalize=True)

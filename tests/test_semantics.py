@@ -31,9 +31,7 @@ DT2 = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="
 
 def _inputs(layout, lq, ld, dim, *, dtype=torch.float32, device="cpu", masks=None, seed=0, exact=False):
     n, m = LAYOUT_ARGS[layout]
-    return make_inputs(
-        layout, n, m, lq, ld, dim, dtype=dtype, device=device, masks=masks, seed=seed, exact=exact
-    )
+    return make_inputs(layout, n, m, lq, ld, dim, dtype=dtype, device=device, masks=masks, seed=seed, exact=exact)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -165,9 +163,7 @@ def test_ties_go_to_lowest_index(layout, normalize, dtype, backend, device):
     sim, _ = similarities(inp, normalize)
     best = sim.amax(-1, keepdim=True)
     for i, (lo, hi) in enumerate(pairs):  # the planted duplicates really are the (tied) max
-        assert bool((sim[:, :, i, lo] == best[:, :, i, 0]).all()) and bool(
-            (sim[:, :, i, hi] == best[:, :, i, 0]).all()
-        )
+        assert bool((sim[:, :, i, lo] == best[:, :, i, 0]).all()) and bool((sim[:, :, i, hi] == best[:, :, i, 0]).all())
     s, dQ, dD = check_parity(inp, normalize=normalize, exact=True)  # no near-tie exclusion: ties are exact
     for lo, hi in pairs:
         assert bool((dD[..., hi, :] == 0).all()), f"duplicate token {hi} (of {lo}) got a gradient"
@@ -197,9 +193,7 @@ def test_natural_ties_integer_data(layout, backend, device):
     s = check_parity(inp, exact=True)[0]
     assert torch.equal(
         s.double(),
-        maxsim.reference.maxsim_pairs(Q, D, None, dm)
-        if layout == "pairs"
-        else maxsim.reference.maxsim(Q, D, None, dm),
+        maxsim.reference.maxsim_pairs(Q, D, None, dm) if layout == "pairs" else maxsim.reference.maxsim(Q, D, None, dm),
     ), "integer scores must be exact"
 
 
@@ -214,9 +208,7 @@ def test_backward_modes_agree_and_deterministic_is_bitwise(layout, dtype, backen
     reproducible."""
     n, m = {"cross": (6, 3), "candidates": (4, 3), "pairs": (6, 0)}[layout]
     # few document tokens, many query tokens: many queries pick the same document token (contended scatter)
-    inp = make_inputs(
-        layout, n, m, 33, 6, 64, dtype=dtype, device=device, masks="holes", seed=seed_of("bw", layout)
-    )
+    inp = make_inputs(layout, n, m, 33, 6, 64, dtype=dtype, device=device, masks="holes", seed=seed_of("bw", layout))
     results = {}
     for mode in ("fast", "deterministic", "auto"):
         results[mode] = check_parity(inp, normalize=True, backward=mode, seed=11)
@@ -230,9 +222,7 @@ def test_backward_modes_agree_and_deterministic_is_bitwise(layout, dtype, backen
     grad = upstream_grad(s_f.shape, seed=11 + 5, device=device)
     _, dQ1, dD1, _ = lib_forward_backward(inp, normalize=True, backward="deterministic", grad=grad)
     _, dQ2, dD2, _ = lib_forward_backward(inp, normalize=True, backward="deterministic", grad=grad)
-    assert torch.equal(dQ1, dQ2) and torch.equal(dD1, dD2), (
-        "backward='deterministic' is not bitwise reproducible"
-    )
+    assert torch.equal(dQ1, dQ2) and torch.equal(dD1, dD2), "backward='deterministic' is not bitwise reproducible"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -276,14 +266,8 @@ def test_empty_batches(name, with_masks, backend, device):
 def test_normalize_is_scale_invariant(backend, device):
     """normalize=True: scaling a token by c > 0 leaves the scores unchanged and divides its gradient by c."""
     inp = make_inputs("cross", 2, 3, 7, 20, 32, device=device, masks="holes", seed=5)
-    cq = (
-        torch.rand(inp.Q.shape[:-1], generator=torch.Generator().manual_seed(6)).to(device)[..., None] * 4
-        + 0.25
-    )
-    cd = (
-        torch.rand(inp.D.shape[:-1], generator=torch.Generator().manual_seed(7)).to(device)[..., None] * 4
-        + 0.25
-    )
+    cq = torch.rand(inp.Q.shape[:-1], generator=torch.Generator().manual_seed(6)).to(device)[..., None] * 4 + 0.25
+    cd = torch.rand(inp.D.shape[:-1], generator=torch.Generator().manual_seed(7)).to(device)[..., None] * 4 + 0.25
     s, dQ, dD, grad = lib_forward_backward(inp, normalize=True)
     s2, dQ2, dD2, _ = lib_forward_backward(inp.with_(Q=inp.Q * cq, D=inp.D * cd), normalize=True, grad=grad)
     torch.testing.assert_close(s2, s, rtol=1e-5, atol=1e-5)
@@ -296,6 +280,7 @@ def test_normalize_is_scale_invariant(backend, device):
 
 
 def test_backend_switch_api():
+    maxsim.set_backend("auto")
     assert maxsim.get_backend() == "auto"
     maxsim.set_backend("torch")
     assert maxsim.get_backend() == "torch"
@@ -330,9 +315,7 @@ def test_auto_backend_is_the_device_default(device):
     assert torch.equal(a, b)
 
 
-@pytest.mark.skipif(
-    INTERPRET or torch.cuda.is_available(), reason="only without the interpreter, on CPU tensors"
-)
+@pytest.mark.skipif(INTERPRET or torch.cuda.is_available(), reason="only without the interpreter, on CPU tensors")
 def test_triton_backend_on_cpu_needs_the_interpreter():
     inp = make_inputs("cross", 2, 3, 7, 20, 32, seed=9)
     with pytest.raises(ValueError, match="(?i)triton|interpret"), maxsim.backend("triton"):

@@ -29,15 +29,19 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--mode", choices=("infer", "train", "all"), default="all")
     b.add_argument("--dtype", choices=tuple(DTYPES), help="input dtype (default: bf16 on GPU, fp32 on CPU)")
     b.add_argument("--quick", action="store_true", help="tiny shapes (same names), for CPU and CI")
-    b.add_argument(
-        "--impl", nargs="+", choices=IMPL_NAMES, metavar="IMPL", help=f"any of {', '.join(IMPL_NAMES)}"
-    )
+    b.add_argument("--impl", nargs="+", choices=IMPL_NAMES, metavar="IMPL", help=f"any of {', '.join(IMPL_NAMES)}")
     b.add_argument("--out", metavar="DIR", help="write <card>.json, <card>.md and <card>.png into DIR")
     b.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     b.add_argument("--warmup-ms", type=float, help="warm-up ms per row (GPU 25, CPU 20, CPU --quick 10)")
     b.add_argument("--rep-ms", type=float, help="timed ms per row (GPU 100, CPU 200, CPU --quick 50)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--list", action="store_true", help="list the selected workloads and exit")
+    b.add_argument(
+        "--from-json",
+        metavar="FILE",
+        help="run nothing: re-render the table, <card>.md and <card>.png of a saved JSON (into --out, default "
+        "the JSON's folder), e.g. where matplotlib is installed",
+    )
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -50,6 +54,8 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench.runner import run
     from .bench.workloads import select
 
+    if args.from_json:
+        return _render(args.from_json, args.out)
     try:
         workloads = select(args.mode, args.only, args.quick)
     except ValueError as e:
@@ -86,6 +92,7 @@ def _bench(args: argparse.Namespace) -> int:
         rep_ms=rep,
         seed=args.seed,
         skip=skip,
+        quick=args.quick,
         progress=not args.no_progress,
     )
     print()
@@ -96,6 +103,22 @@ def _bench(args: argparse.Namespace) -> int:
             print(f"wrote {path}")
     broken = [r for r in result.rows if r.impl == "maxsim" and r.status in ("FAIL", "error")]
     return 1 if broken else 0
+
+
+def _render(path: str, out: str | None) -> int:
+    from pathlib import Path
+
+    from .bench import report
+
+    try:
+        result = report.load(path)
+    except (OSError, ValueError) as e:
+        print(f"maxsim bench: --from-json {path}: {e}", file=sys.stderr)
+        return 2
+    print(report.terminal_table(result))
+    for written in report.write_outputs(result, out or Path(path).parent, write_json=False):
+        print(f"wrote {written}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -22,11 +22,7 @@ def _deterministic(mode: str) -> bool:
 
 def _run(Q: Tensor, D: Tensor, q_mask, d_mask, normalize: bool, backward: str) -> Tensor:
     """Canonical ``Q [Nq, Lq, dim]``, ``D [Bd, K, Ld, dim]`` -> ``[Nq, K]``."""
-    need_argmax = torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)
-    scores, _ = ops.forward(
-        Q, D, q_mask, d_mask, normalize, need_argmax, choose_impl(Q), _deterministic(backward)
-    )
-    return scores
+    return ops.maxsim_canonical(Q, D, q_mask, d_mask, normalize, choose_impl(Q), _deterministic(backward))
 
 
 def maxsim(

@@ -229,15 +229,15 @@ class _ImportedPeer(Impl):
         return None
 
     def version(self) -> str | None:
+        """The installed distribution's version, else the module's ``__version__`` (None when absent)."""
         try:
             return metadata.version(self.distribution)
         except metadata.PackageNotFoundError:
-            mod = None
-            try:
-                mod = self._import()
-            except Exception:
-                return None
-            return getattr(mod, "__version__", None)
+            pass
+        try:
+            return getattr(self._import(), "__version__", None)
+        except Exception:
+            return None
 
 
 class LikImpl(_ImportedPeer):
@@ -253,8 +253,7 @@ class LikImpl(_ImportedPeer):
     description = "late_interaction_kernels.maxsim / maxsim_pairs"
 
     def _import(self):
-        # It warns once (with one .item()) when Q is not unit-norm; our tokens are unit-norm, silence it
-        # anyway.
+        # It checks once (one .item()) whether Q is unit-norm and warns; our tokens are unit-norm anyway.
         os.environ.setdefault("LIK_SUPPRESS_NORM_WARN", "1")
         return super()._import()
 

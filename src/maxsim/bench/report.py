@@ -5,7 +5,7 @@ JSON schema (``"schema": "maxsim-bench/1"``)::
 
     {"schema": ..., "meta": {card, device, device_name, dtype, torch, triton, cuda, python, git_commit,
                              git_dirty, date, cpu_threads, copy_bandwidth_gbps, matmul_tflops,
-                             matmul_dtype, impl_versions, tolerance, argv},
+                             matmul_dtype, impl_versions, tolerance, argv, quick},
      "rows": [{workload, mode, layout, note, shape, dtype, impl, card, status, reason, ms, peak_mib,
                rel_err, grad_err, grad_identity_err, flops, bytes, floor_ms, floor_frac, vs_eager,
                vs_best_peer, torch, triton, cuda, git_commit}, ...]}
@@ -59,7 +59,7 @@ ROW_FIELDS: dict[str, tuple[type, ...]] = {
 }
 META_FIELDS = (
     "card", "device", "device_name", "dtype", "torch", "triton", "cuda", "git_commit", "date",
-    "copy_bandwidth_gbps", "matmul_tflops", "impl_versions",
+    "copy_bandwidth_gbps", "matmul_tflops", "impl_versions", "quick",
 )  # fmt: skip
 STATUSES = ("ok", "FAIL", "n/a", "skipped", "error")
 
@@ -210,13 +210,11 @@ def terminal_table(result: Result) -> str:
     if skipped:
         lines += ["", *(f"{k}: skipped ({v})" for k, v in skipped.items())]
     notes = [f"{r.mode}/{r.workload} {r.impl}: {r.status}: {r.reason}" for r in result.rows
-             if r.status in ("FAIL", "error", "n/a")]  # fmt: skip
+             if r.reason and r.status != "skipped"]  # fmt: skip
     if notes:
         lines += ["", *notes]
     lines.append("")
-    lines.append(
-        "vs eager / vs best: speed-up over eager / over the fastest other implementation (>1 = faster)"
-    )
+    lines.append("vs eager / vs best: speed-up over eager / over the fastest other implementation (>1 = faster)")
     lines.append("rel err: max of scores and gradients vs the fp32 reference; % floor: roofline floor / time")
     return "\n".join(lines)
 
@@ -232,6 +230,8 @@ def markdown(result: Result) -> str:
         f"{m.get('device_name')}; {m.get('dtype')}; torch {m.get('torch')}, triton {m.get('triton')}, "
         f"CUDA {m.get('cuda')}; commit {commit}; {m.get('date')}.",
     ]
+    if m.get("quick"):
+        out.append("`--quick` run: tiny shapes under the full-size names (the shape column gives the real ones).")
     if m.get("copy_bandwidth_gbps"):
         out.append(
             f"Measured roofline: copy {m['copy_bandwidth_gbps']:.0f} GB/s, {m.get('matmul_dtype')} matmul "
@@ -271,13 +271,10 @@ def markdown(result: Result) -> str:
             for key in keys:
                 by_impl = {r.impl: r for r in groups[key]}
                 cells = [
-                    fmt_mib(by_impl[i].peak_mib) if i in by_impl and by_impl[i].status == "ok" else ""
-                    for i in impls
+                    fmt_mib(by_impl[i].peak_mib) if i in by_impl and by_impl[i].status == "ok" else "" for i in impls
                 ]
                 out.append(f"| {key[1]} | " + " | ".join(cells) + " |")
-    notes = [
-        r for r in result.rows if r.status in ("FAIL", "error", "n/a") or (r.status == "ok" and r.reason)
-    ]
+    notes = [r for r in result.rows if r.reason and r.status != "skipped"]
     skipped = {r.impl: r.reason for r in result.rows if r.status == "skipped"}
     if notes or skipped:
         out += ["", "## Notes", ""]
@@ -315,16 +312,20 @@ def write_png(result: Result, path: Path) -> str | None:
     fig, axes = plt.subplots(1, 2, figsize=(14, height), sharey=True)
     ys = list(range(len(labels)))[::-1]
     ax = axes[0]
-    vals = [s if s is not None else 0.0 for s in speedups]
-    colors = ["tab:green" if (s or 0) >= 1 else "tab:red" for s in speedups]
-    ax.barh(ys, vals, color=colors, left=0)
+    ranked = [v for v in speedups if v is not None]
+    lo = min([1.0, *ranked]) / 1.6
+    hi = max([1.0, *ranked]) * 1.6
+    for y, v in zip(ys, speedups, strict=True):
+        if v is not None:  # a bar from 1 to the speed-up, on a log axis
+            ax.barh(y, v - 1.0, left=1.0, color="tab:green" if v >= 1 else "tab:red")
+    ax.set_xscale("log")
+    ax.set_xlim(lo, hi * 2.5)
     ax.axvline(1.0, color="black", lw=1)
-    for y, s, peer in zip(ys, speedups, peer_names, strict=True):
-        text = f" {s:.2f}x vs {peer}" if s is not None else " no ranked maxsim row"
-        ax.text(s if s is not None else 0.0, y, text, va="center", fontsize=7)
+    for y, v, peer in zip(ys, speedups, peer_names, strict=True):
+        text = f" {v:.2f}x vs {peer}" if v is not None else " maxsim not ranked (FAIL/n/a/error)"
+        ax.text(max(v, 1.0) if v is not None else 1.0, y, text, va="center", fontsize=7)
     ax.set_yticks(ys, labels, fontsize=7)
-    ax.set_xlabel("maxsim speed-up over the best peer (>1 = faster)")
-    ax.set_xlim(0, max([1.5, *(v * 1.35 for v in vals)]))
+    ax.set_xlabel("maxsim speed-up over the best peer (log scale, >1 = faster)")
     ax = axes[1]
     if has_floor:
         h = 0.4
@@ -335,9 +336,7 @@ def write_png(result: Result, path: Path) -> str | None:
         ax.set_xlabel("fraction of the roofline floor (floor ms / ms)")
         ax.legend(loc="lower right", fontsize=8)
     else:
-        ax.text(
-            0.5, 0.5, "no roofline floor on this device", ha="center", va="center", transform=ax.transAxes
-        )
+        ax.text(0.5, 0.5, "no roofline floor on this device", ha="center", va="center", transform=ax.transAxes)
         ax.set_xticks([])
     m = result.meta
     fig.suptitle(f"maxsim bench — {m.get('card')} ({m.get('device_name')}), {m.get('dtype')}", fontsize=10)
@@ -347,16 +346,22 @@ def write_png(result: Result, path: Path) -> str | None:
     return None
 
 
-def write_outputs(result: Result, out_dir: Path | str, log=print) -> list[Path]:
-    """Write ``<card>.json``, ``<card>.md`` and ``<card>.png`` into ``out_dir`` (created if needed)."""
+def write_outputs(result: Result, out_dir: Path | str, log=print, write_json: bool = True) -> list[Path]:
+    """Write ``<card>.json``, ``<card>.md`` and ``<card>.png`` into ``out_dir`` (created if needed).
+
+    ``write_json=False`` re-renders only the Markdown and the chart (from a saved JSON: see :func:`load`).
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = str(result.meta.get("card") or "unknown")
-    doc = to_json(result)
-    validate_json(doc)
-    paths = [out / f"{stem}.json", out / f"{stem}.md"]
-    paths[0].write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
-    paths[1].write_text(markdown(result))
+    paths: list[Path] = []
+    if write_json:
+        doc = to_json(result)
+        validate_json(doc)
+        paths.append(out / f"{stem}.json")
+        paths[-1].write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+    paths.append(out / f"{stem}.md")
+    paths[-1].write_text(markdown(result))
     png = out / f"{stem}.png"
     why = write_png(result, png)
     if why is None:
@@ -364,3 +369,10 @@ def write_outputs(result: Result, out_dir: Path | str, log=print) -> list[Path]:
     else:
         log(f"no chart: {why}")
     return paths
+
+
+def load(path: Path | str) -> Result:
+    """A run back from its JSON file (validated), e.g. to draw the chart on a machine with matplotlib."""
+    doc = json.loads(Path(path).read_text())
+    validate_json(doc)
+    return Result(meta=doc["meta"], rows=rows_from_json(doc))

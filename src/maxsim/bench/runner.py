@@ -42,9 +42,6 @@ TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2, tor
 #: A gradient that differs from the fp32 reference by more than the tolerance is still accepted when it passes
 #: the tie-robust identity check (see :func:`judge`) and differs by less than this.
 GRAD_SANITY = 0.5
-#: Backward flops counted in the training floor, as a multiple of the forward flops (see
-#: :func:`roofline_floor`).
-TRAIN_BWD_FLOP_FACTOR = 1.0
 #: fp32 reference: one similarity chunk may use this fraction of the free memory (at most REF_CHUNK_MAX
 #: bytes).
 REF_MEMORY_FRACTION = 0.15
@@ -147,11 +144,13 @@ def _time_matmul(n: int, device: torch.device, dtype: torch.dtype, timer: Timer)
     return timer(lambda: torch.mm(a, b))
 
 
-def measure_roofline(device: torch.device, dtype: torch.dtype, timer: Timer) -> Roofline:
+def measure_roofline(device: torch.device, dtype: torch.dtype, timer: Timer | None = None) -> Roofline:
     """Copy bandwidth (a 1 GiB device-to-device copy) and the matmul rate of an 8192³ product in ``dtype``
-    (bf16 in a default GPU run). None on a CPU: no floor there."""
+    (bf16 in a default GPU run), timed with 25 ms warm-up and 200 ms of repeats unless ``timer`` is given.
+    Nothing on a CPU: no floor there."""
     if device.type != "cuda":
         return Roofline()
+    timer = timer or make_timer(device, 25.0, 200.0)
     nbytes = min(1 << 30, free_memory(device) // 8)
     n = 8192
     copy_ms = _time_copy(nbytes, device, timer)
@@ -172,11 +171,13 @@ def roofline_floor(w: Workload, itemsize: int, roof: Roofline) -> tuple[float, f
     * flops = 2 · Σ_pairs Lq·Ld · dim (every similarity is one dot product);
     * bytes = Q and D read once (distinct tokens × dim × itemsize) + fp32 scores written once.
 
-    Training adds the backward of the linear loss:
+    Training adds the backward of the linear loss, as the saved-argmax backward of design.md §1 does it:
 
-    * flops: backward counted as :data:`TRAIN_BWD_FLOP_FACTOR` × the forward flops (a convention matching the
-      design's training floors, not a strict lower bound: a backward that saved the argmax needs only
-      4 · Σ_pairs Lq · dim flops);
+    * flops: 4 · Σ_pairs Lq · dim (``dQ_i += g · d_{a_i}`` and ``dD_{a_i} += g · q_i``, one multiply-add per
+      element each). The backward is counted as gathers, not as a second similarity pass: a floor must be a
+      lower bound, and this count reproduces the training floors of design.md §7 (e.g. ~0.05 ms for the
+      64×64 Lq32 Ld1024 step on an H200). Counting the backward as another forward would double the
+      compute-bound training floors;
     * bytes: the int32 argmax written by the forward and read by the backward (2 × 4 B per pair and query
       token), the fp32 upstream gradient read (4 B per pair), the gather of ``d_{a_i}`` for ``dQ`` and of
       ``q_i`` for ``dD`` once per pair and query token (2 × dim × itemsize each), and ``dQ``, ``dD`` written
@@ -186,7 +187,7 @@ def roofline_floor(w: Workload, itemsize: int, roof: Roofline) -> tuple[float, f
     flops = 2.0 * w.sims() * w.dim
     nbytes = float(tokens * w.dim * itemsize + 4 * w.n_pairs())
     if w.mode == "train":
-        flops *= 1.0 + TRAIN_BWD_FLOP_FACTOR
+        flops += 4.0 * w.pair_rows() * w.dim
         nbytes += 2 * 4 * w.pair_rows() + 4 * w.n_pairs()
         nbytes += 2 * w.pair_rows() * w.dim * itemsize
         nbytes += tokens * w.dim * itemsize
@@ -208,22 +209,25 @@ def _do_bench() -> Callable[..., float] | None:
 
 
 def _cuda_events_ms(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> float:
-    """Median of CUDA-event timings (the fallback when triton's do_bench is missing or has another
-    signature)."""
+    """Median of CUDA-event timings, L2 flushed before each timed call (as ``do_bench``): the fallback when
+    triton's ``do_bench`` is missing or has another signature."""
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(3):
+    for _ in range(5):
+        flush.zero_()
         fn()
     end.record()
     torch.cuda.synchronize()
-    est = max(start.elapsed_time(end) / 3, 1e-3)
+    est = max(start.elapsed_time(end) / 5, 1e-3)
     for _ in range(max(1, int(warmup_ms / est))):
         fn()
     n = max(1, int(rep_ms / est))
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
     for s, e in events:
+        flush.zero_()
         s.record()
         fn()
         e.record()
@@ -404,10 +408,7 @@ def judge(w: Workload, out: tuple[Tensor, ...], ref: Reference, inp: Inputs, tol
     if gerr <= tol:
         return Check(True, err, gerr, ierr)
     if ierr <= tol and gerr <= GRAD_SANITY:
-        note = (
-            f"gradients differ from the fp32 reference by {gerr:.1e} (other near-tied maxima at input "
-            f"precision); tie-robust identity error {ierr:.1e}"
-        )
+        note = f"gradient error {gerr:.1e} from near-tied maxima at input precision (identity error {ierr:.1e})"
         return Check(True, err, gerr, ierr, reason=note)
     return Check(False, err, gerr, ierr, reason=f"gradient rel. error {gerr:.2e}, identity error {ierr:.2e}")
 
@@ -438,6 +439,17 @@ def make_call(w: Workload, fn: Callable[[Tensor, Tensor], Tensor], inp: Inputs) 
     return train
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def provenance(device: torch.device, dtype: torch.dtype, roof: Roofline, impls: Iterable[Impl]) -> dict:
     """Everything a number needs to be read later: card, versions, commit, date, measured roofline."""
     try:
@@ -450,9 +462,7 @@ def provenance(device: torch.device, dtype: torch.dtype, roof: Roofline, impls: 
     return {
         "card": card_slug(device),
         "device": device.type,
-        "device_name": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or platform.machine(),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
         "dtype": str(dtype).removeprefix("torch."),
         "torch": torch.__version__,
         "triton": triton_version,
@@ -472,28 +482,28 @@ def provenance(device: torch.device, dtype: torch.dtype, roof: Roofline, impls: 
 
 
 class _Progress:
-    """tqdm when installed, else a printed counter."""
+    """tqdm (one step per row) on a terminal when installed, else one printed line per workload."""
 
-    def __init__(self, total: int, enabled: bool, log: Callable[[str], None]) -> None:
-        self.total, self.n, self.enabled, self.log = total, 0, enabled, log
+    def __init__(self, total_rows: int, n_workloads: int, enabled: bool, log: Callable[[str], None]) -> None:
+        self.n_workloads, self.k, self.enabled, self.log = n_workloads, 0, enabled, log
         self.bar = None
-        if enabled:
+        if enabled and sys.stderr.isatty():
             try:
                 from tqdm.auto import tqdm
 
-                self.bar = tqdm(total=total, unit="row", dynamic_ncols=True, leave=False, file=sys.stderr)
+                self.bar = tqdm(total=total_rows, unit="row", dynamic_ncols=True, leave=False, file=sys.stderr)
             except ImportError:
                 self.bar = None
 
+    def workload(self, key: str) -> None:
+        self.k += 1
+        if self.enabled and self.bar is None:
+            print(f"[{self.k}/{self.n_workloads}] {key}", file=sys.stderr, flush=True)
+
     def step(self, label: str) -> None:
-        self.n += 1
-        if not self.enabled:
-            return
         if self.bar is not None:
             self.bar.set_description_str(label[:60])
             self.bar.update(1)
-        else:
-            print(f"[{self.n}/{self.total}] {label}", file=sys.stderr, flush=True)
 
     def write(self, msg: str) -> None:
         if self.bar is not None:
@@ -506,8 +516,9 @@ class _Progress:
             self.bar.close()
 
 
-def _free(device: torch.device) -> None:
-    gc.collect()
+def _free(device: torch.device, collect: bool = False) -> None:
+    if collect:
+        gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
@@ -560,18 +571,20 @@ def run(
     rep_ms: float = 100.0,
     seed: int = 0,
     skip: dict[str, str] | None = None,
+    quick: bool = False,
     progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> Result:
     """Benchmark every implementation on every workload; returns rows with ratios and floors filled in.
 
-    ``skip`` maps implementation names to a reason for leaving them out (printed, and recorded as
-    ``skipped``).
+    ``quick`` is recorded in the provenance (the workloads are already shrunk). ``skip`` maps implementation
+    names to a reason for leaving them out (printed, and recorded as ``skipped``).
     """
     device = torch.device(device)
     timer = make_timer(device, warmup_ms, rep_ms)
-    roof = measure_roofline(device, dtype, timer)
+    roof = measure_roofline(device, dtype)
     meta = provenance(device, dtype, roof, impls)
+    meta["quick"] = quick
     if roof.bandwidth is not None:
         log(
             f"{meta['device_name']}: copy {meta['copy_bandwidth_gbps']:.0f} GB/s, "
@@ -586,11 +599,16 @@ def run(
     for name, why in skipped.items():
         if any(i.name == name for i in impls):
             log(f"{name}: skipped ({why})")
+    for impl in impls:
+        expected = getattr(impl, "expected_version", "")
+        if impl.name not in skipped and expected and meta["impl_versions"].get(impl.name) != expected:
+            log(f"{impl.name}: version {meta['impl_versions'].get(impl.name)}, the design's numbers use {expected}")
     ctx = _Ctx(device=device, dtype=dtype, tol=TOLERANCE.get(dtype, 1e-4), timer=timer)
     result = Result(meta=meta)
-    bar = _Progress(len(workloads) * len(impls), progress, log)
+    bar = _Progress(len(workloads) * len(impls), len(workloads), progress, log)
     try:
         for w in workloads:
+            bar.workload(w.key)
             flops, nbytes, floor = roofline_floor(w, dtype.itemsize, roof)
             inp: Inputs | None = None
             ref: Reference | None = None
@@ -628,7 +646,7 @@ def run(
             for impl in impls:
                 impl.reset()
             del inp, ref
-            _free(device)
+            _free(device, collect=True)
     finally:
         bar.close()
     compute_ratios(result.rows)

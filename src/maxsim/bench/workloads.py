@@ -39,6 +39,7 @@ class Workload:
         nd: ``Nd`` (cross), ``K`` (candidates); equal to ``nq`` for pairs.
         lq, ld, dim: query tokens, document tokens, embedding width.
         note: what the shape stands for (``"ColPali"``, ``"distillation"``, ...).
+        name: the workload's name; derived from layout and shape when empty, and kept by :meth:`quick`.
     """
 
     mode: str
@@ -49,6 +50,7 @@ class Workload:
     ld: int
     dim: int = 128
     note: str = ""
+    name: str = ""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -59,10 +61,11 @@ class Workload:
             raise ValueError(f"pairs: nd must equal nq (= B), got nq={self.nq}, nd={self.nd}")
         if min(self.nq, self.nd, self.lq, self.ld, self.dim) < 1:
             raise ValueError(f"all sizes must be >= 1, got {self}")
+        if not self.name:
+            object.__setattr__(self, "name", self.default_name())
 
     # ---- naming --------------------------------------------------------------------------------------------
-    @property
-    def name(self) -> str:
+    def default_name(self) -> str:
         """Layout-and-shape name, shared by both modes (``cross-32x32-lq32-ld80``)."""
         n = f"{self.nq}" if self.layout == "pairs" else f"{self.nq}x{self.nd}"
         suffix = "" if self.dim == 128 else f"-d{self.dim}"

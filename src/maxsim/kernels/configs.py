@@ -49,9 +49,11 @@ def forward_config(Lq: int, dim: int, Nq: int, shared_docs: bool) -> ForwardConf
     if shared_docs:
         BQ = max(1, min(128 // TQ, next_pow2(Nq)))
     block_k, num_k = _dim_split(dim)
-    block_n = 64 if num_k == 1 else 32
     rows = BQ * TQ
-    num_warps = 8 if rows >= 128 and block_n >= 64 else 4
+    block_n = 64 if num_k == 1 else 32
+    if rows <= 32 and num_k == 1:
+        block_n = 128  # thin tiles are memory-bound: more bytes per program in flight
+    num_warps = 8 if rows >= 128 else 4
     return ForwardConfig(TQ, BQ, block_n, block_k, num_k, num_warps, 3)
 
 

@@ -27,6 +27,13 @@ def nan_max(a, b):
 
 
 @triton.jit
+def _argmax_combine(v1, i1, v2, i2):
+    """Larger value wins; equal values go to the lower token index (as ``torch.max``)."""
+    take2 = (v2 > v1) | ((v2 == v1) & (i2 < i1))
+    return tl.where(take2, v2, v1), tl.where(take2, i2, i1)
+
+
+@triton.jit
 def _load_q_chunk(q_rows, row_ok, kc, dim, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
     kd = kc * BLOCK_K + tl.arange(0, BLOCK_K)
     qt = tl.load(q_rows[:, None] + kd[None, :], mask=row_ok[:, None] & (kd[None, :] < dim), other=0.0)
@@ -75,8 +82,11 @@ def maxsim_fwd_kernel(
         if NUM_K == 1:
             qt = _load_q_chunk(q_rows, row_ok, 0, dim, BLOCK_K, UPCAST)
 
-        m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        a = tl.zeros([BLOCK_M], dtype=tl.int32)
+        # Running max per (row, column slot) across tiles: one max (and one select for the argmax) per element
+        # per tile; the cross-lane row reduction happens once per row block instead of once per tile.
+        m2 = tl.full([BLOCK_M, BLOCK_N], float("-inf"), dtype=tl.float32)
+        if SAVE_ARGMAX:
+            a2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
         any_valid = tl.zeros([BLOCK_N], dtype=tl.int32)
         for n0 in range(0, Ld, BLOCK_N):
             cols = n0 + cols0
@@ -92,25 +102,26 @@ def maxsim_fwd_kernel(
                     qt = _load_q_chunk(q_rows, row_ok, kc, dim, BLOCK_K, UPCAST)
                 kd = kc * BLOCK_K + tl.arange(0, BLOCK_K)
                 dt = tl.load(
-                    d_doc + cols[None, :] * sd_l + kd[:, None],
-                    mask=in_doc[None, :] & (kd[:, None] < dim),
+                    d_doc + cols[:, None] * sd_l + kd[None, :],
+                    mask=in_doc[:, None] & (kd[None, :] < dim),
                     other=0.0,
-                )  # [BLOCK_K, BLOCK_N]
+                )  # [BLOCK_N, BLOCK_K], contiguous along dim
                 if NORMALIZE:
                     dtf = dt.to(tl.float32)
-                    sumsq += tl.sum(dtf * dtf, axis=0)
+                    sumsq += tl.sum(dtf * dtf, axis=1)
                 if UPCAST:
                     dt = dt.to(tl.float32)
-                s = tl.dot(qt, dt, s, input_precision=DOT_PRECISION)
+                s = tl.dot(qt, tl.trans(dt), s, input_precision=DOT_PRECISION)
             if NORMALIZE:
                 s = s * (1.0 / tl.maximum(tl.sqrt(sumsq), NORM_EPS))[None, :]
             s = tl.where(col_ok[None, :], s, float("-inf"))
-            tile_max = tl.reduce(s, 1, nan_max)
             if SAVE_ARGMAX:
-                tile_arg = tl.argmax(s, axis=1, tie_break_left=True).to(tl.int32)
-                a = tl.where(tile_max > m, tile_arg + n0, a)
-            m = nan_max(m, tile_max)
+                a2 = tl.where(s > m2, n0, a2)  # strict: an earlier tile keeps a tie
+            m2 = nan_max(m2, s)
             any_valid = tl.maximum(any_valid, col_ok.to(tl.int32))
+        m = tl.reduce(m2, 1, nan_max)
+        if SAVE_ARGMAX:
+            _, a = tl.reduce((m2, a2 + cols0[None, :]), 1, _argmax_combine)
 
         if NORMALIZE:
             # The query's norm is a positive per-row factor: it scales the max without moving the argmax.

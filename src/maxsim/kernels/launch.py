@@ -14,7 +14,7 @@ from torch import Tensor
 from ..cpu import project_normalized_grad
 from ..layout import NORM_EPS
 from .backward import maxsim_bwd_dd_owned_kernel, maxsim_bwd_dd_scatter_kernel, maxsim_bwd_dq_kernel
-from .configs import backward_config, forward_config
+from .configs import ForwardConfig, backward_config, forward_config
 from .forward import maxsim_fwd_kernel
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
@@ -51,8 +51,11 @@ def forward(
     d_mask: Tensor | None,
     normalize: bool,
     need_argmax: bool,
+    cfg: ForwardConfig | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Scores ``[Nq, K]`` fp32 and argmax ``[Nq, K, Lq]`` int32 (or an empty int32 tensor)."""
+    """Scores ``[Nq, K]`` fp32 and argmax ``[Nq, K, Lq]`` int32 (or an empty int32 tensor).
+
+    ``cfg`` overrides the launch table (offline tuning only)."""
     Nq, Lq, dim = Q.shape
     Bd, K, Ld, _ = D.shape
     scores = torch.empty((Nq, K), dtype=torch.float32, device=Q.device)
@@ -63,7 +66,7 @@ def forward(
         return scores.zero_(), argmax.fill_(-1)
     Q, D = _last_dim_contiguous(Q), _last_dim_contiguous(D)
     shared = Bd == 1
-    cfg = forward_config(Lq, dim, Nq, shared)
+    cfg = cfg or forward_config(Lq, dim, Nq, shared)
     qm, sqm = _mask_u8(q_mask, Q)
     dm, sdm = _mask_u8(d_mask, Q)
     n_qblocks = triton_cdiv(Nq, cfg.BQ)
@@ -101,7 +104,7 @@ def backward(
     normalize: bool,
     deterministic: bool,
 ) -> tuple[Tensor, Tensor]:
-    """``(dQ like Q, dD like D)`` from the saved argmax. ``deterministic`` selects the atomic-free dD kernel."""
+    """``(dQ like Q, dD like D)`` from the saved argmax; ``deterministic`` forbids atomics (bitwise reproducible)."""
     Nq, Lq, dim = Q.shape
     Bd, K, Ld, _ = D.shape
     shared = Bd == 1
@@ -141,8 +144,9 @@ def backward(
     )  # fmt: skip
     dQ = dq_buf[0] if n_split == 1 else dq_buf.sum(dim=0)
 
-    # dD
-    if deterministic:
+    # dD: documents scored by one query each (candidates, pairs) take the owner kernel, which is then also the
+    # fastest (no zeroed fp32 buffer, no atomics, no cast); the cross product uses atomics unless asked not to.
+    if deterministic or not shared:
         direct_d = not normalize
         gd = torch.empty((Bd, K, Ld, dim), dtype=D.dtype if direct_d else torch.float32, device=D.device)
         n_jb = triton_cdiv(Ld, cfg.BN)

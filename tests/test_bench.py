@@ -1,0 +1,604 @@
+"""The benchmark harness's own logic (maxsim.bench, ``maxsim bench``), on CPU.
+
+Covers the workload table, inputs, the fp32 reference and the correctness judge (FAIL marking, tie-robust
+gradient check), the roofline and ratio arithmetic, the skipping of missing peers, the JSON schema and the
+outputs, and the command line in-process on a tiny subset. The full ``--quick`` run is marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+import torch
+
+import maxsim
+from maxsim import reference as ref_impl
+from maxsim.bench import peers, report, runner, workloads
+from maxsim.bench.peers import EagerImpl, Impl, MaxsimImpl
+from maxsim.bench.runner import Roofline, Row, compute_ratios, judge, make_call, roofline_floor
+from maxsim.bench.workloads import Workload, make_inputs, select
+from maxsim.cli import main
+
+CPU = torch.device("cpu")
+
+
+def _stand_in() -> MaxsimImpl:
+    """This library's adapter on the plain-PyTorch reference: fast to run and independent of the kernels."""
+    return MaxsimImpl(cross=ref_impl.maxsim, pairs=ref_impl.maxsim_pairs)
+
+
+def _tiny(mode: str, layout: str) -> Workload:
+    nd = 4 if layout == "pairs" else 5
+    return Workload(mode=mode, layout=layout, nq=4, nd=nd, lq=6, ld=9, dim=16)
+
+
+LAYOUTS = ("cross", "candidates", "pairs")
+
+
+# ---- workload table ------------------------------------------------------------------------------------------
+# (mode, layout, Nq, Nd or K or B, Lq, Ld, dim) exactly as issue 3 lists them.
+ISSUE_3 = {
+    ("infer", "cross", 32, 32, 32, 80, 128),
+    ("infer", "cross", 1, 1000, 32, 300, 128),
+    ("infer", "cross", 1, 1000, 32, 1024, 128),
+    ("infer", "cross", 1, 10000, 32, 300, 128),
+    ("infer", "cross", 32, 65536, 32, 256, 128),
+    ("infer", "cross", 1, 500, 1024, 1024, 128),
+    ("infer", "cross", 128, 128, 32, 300, 128),
+    ("infer", "candidates", 32, 100, 32, 256, 128),
+    ("infer", "candidates", 32, 50, 32, 180, 128),
+    ("infer", "cross", 1, 4000, 32, 1024, 64),
+    ("train", "cross", 32, 32, 32, 80, 128),
+    ("train", "cross", 64, 64, 32, 128, 128),
+    ("train", "cross", 256, 256, 32, 300, 128),
+    ("train", "cross", 64, 64, 32, 1024, 128),
+    ("train", "candidates", 64, 32, 32, 180, 128),
+    ("train", "candidates", 256, 16, 32, 300, 128),
+    ("train", "cross", 32, 32, 1024, 1024, 128),
+    ("train", "pairs", 512, 512, 32, 300, 128),
+}
+
+
+def test_workload_table_matches_issue():
+    got = {(w.mode, w.layout, w.nq, w.nd, w.lq, w.ld, w.dim) for w in workloads.WORKLOADS}
+    assert got == ISSUE_3
+    assert len(workloads.WORKLOADS) == len(ISSUE_3)
+    keys = [w.key for w in workloads.WORKLOADS]
+    assert len(set(keys)) == len(keys)
+    assert all(w.note for w in workloads.WORKLOADS)
+
+
+def test_workload_names_and_shapes():
+    w = Workload("infer", "candidates", 32, 100, 32, 256)
+    assert w.name == "cand-32x100-lq32-ld256"
+    assert w.shape() == {"Nq": 32, "K": 100, "Lq": 32, "Ld": 256, "dim": 128}
+    assert w.d_shape() == (32, 100, 256, 128) and w.out_shape() == (32, 100)
+    p = Workload("train", "pairs", 512, 512, 32, 300)
+    assert p.name == "pairs-512-lq32-ld300" and p.shape()["B"] == 512 and p.out_shape() == (512,)
+    e = Workload("infer", "cross", 1, 4000, 32, 1024, dim=64)
+    assert e.name == "cross-1x4000-lq32-ld1024-d64" and e.d_shape() == (4000, 1024, 64)
+    with pytest.raises(ValueError, match="layout"):
+        Workload("infer", "ragged", 1, 1, 1, 1)
+    with pytest.raises(ValueError, match="pairs"):
+        Workload("train", "pairs", 4, 5, 1, 1)
+
+
+def test_counts_per_layout():
+    c = Workload("infer", "cross", 3, 5, 7, 11, dim=8)
+    assert (c.n_pairs(), c.q_tokens(), c.d_tokens(), c.pair_rows(), c.sims()) == (15, 21, 55, 105, 1155)
+    k = Workload("infer", "candidates", 3, 5, 7, 11, dim=8)
+    assert (k.n_pairs(), k.q_tokens(), k.d_tokens()) == (15, 21, 165)
+    p = Workload("infer", "pairs", 3, 3, 7, 11, dim=8)
+    assert (p.n_pairs(), p.q_tokens(), p.d_tokens(), p.sims()) == (3, 21, 33, 231)
+
+
+def test_quick_keeps_names_and_shrinks():
+    full = select("all")
+    quick = select("all", quick=True)
+    assert [w.key for w in quick] == [w.key for w in full]
+    for f, q in zip(full, quick, strict=True):
+        assert (q.mode, q.layout, q.dim) == (f.mode, f.layout, f.dim)
+        assert q.sims() <= f.sims() and q.sims() <= 4 * 16 * 256 * 128
+        assert q.lq <= f.lq and q.ld <= f.ld
+
+
+def test_select_modes_patterns_and_errors():
+    assert {w.mode for w in select("infer")} == {"infer"}
+    assert len(select("train")) == 8 and len(select("infer")) == 10
+    both = select("all", ["cross-32x32-lq32-ld80"])
+    assert [w.key for w in both] == ["infer/cross-32x32-lq32-ld80", "train/cross-32x32-lq32-ld80"]
+    assert [w.key for w in select("all", ["train/cross-32x32-lq32-ld80"])] == ["train/cross-32x32-lq32-ld80"]
+    assert {w.layout for w in select("all", ["cand-*"])} == {"candidates"}
+    with pytest.raises(ValueError, match="nope"):
+        select("all", ["nope"])
+    with pytest.raises(ValueError, match="pairs"):
+        select("infer", ["pairs-*"])  # the pairs workload is training-only
+    with pytest.raises(ValueError, match="mode"):
+        select("both")
+
+
+def test_inputs_shapes_dtype_norm_and_determinism():
+    w = _tiny("train", "candidates")
+    a = make_inputs(w, CPU, torch.bfloat16, seed=3)
+    b = make_inputs(w, CPU, torch.bfloat16, seed=3)
+    c = make_inputs(w, CPU, torch.bfloat16, seed=4)
+    assert a.Q.shape == w.q_shape() and a.D.shape == w.d_shape() and a.grad_out.shape == w.out_shape()
+    assert a.Q.dtype == a.D.dtype == torch.bfloat16 and a.grad_out.dtype == torch.float32
+    assert torch.equal(a.Q, b.Q) and torch.equal(a.D, b.D) and not torch.equal(a.Q, c.Q)
+    norms = a.D.float().norm(dim=-1)
+    assert torch.allclose(norms, torch.ones_like(norms), atol=1e-2)
+    assert a.grad_out.abs().min() > 0
+
+
+# ---- reference and correctness judge -------------------------------------------------------------------------
+def _float64_truth(w: Workload, inp):
+    Q = inp.Q.double().requires_grad_()
+    D = inp.D.double().requires_grad_()
+    fn = ref_impl.maxsim_pairs if w.layout == "pairs" else ref_impl.maxsim
+    s = fn(Q, D)
+    dQ, dD = torch.autograd.grad(s, (Q, D), inp.grad_out.double())
+    return s, dQ, dD
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("budget", [None, 1])  # budget 1 byte: one document (or query) per chunk
+def test_reference_matches_float64_truth(layout, budget):
+    w = _tiny("train", layout)
+    inp = make_inputs(w, CPU, torch.float32)
+    ref = runner.reference(w, inp, need_grad=True, budget=budget)
+    s, dQ, dD = _float64_truth(w, inp)
+    torch.testing.assert_close(ref.scores.double(), s, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ref.dQ.double(), dQ, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ref.dD.double(), dD, rtol=1e-5, atol=1e-6)
+    # the identity targets equal <dQ_i, q_i> and sum_j <dD_j, d_j> of the true gradients
+    torch.testing.assert_close(ref.q_identity.double(), (dQ * inp.Q.double()).sum(-1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ref.d_identity.double(), (dD * inp.D.double()).sum((-1, -2)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["infer", "train"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_eager_and_maxsim_pass_the_judge(mode, layout):
+    w = _tiny(mode, layout)
+    inp = make_inputs(w, CPU, torch.float32)
+    ref = runner.reference(w, inp, need_grad=mode == "train")
+    for impl in (EagerImpl(), MaxsimImpl()):
+        out = make_call(w, impl.scorer(w, CPU, torch.float32), inp)()
+        check = judge(w, out, ref, inp, runner.TOLERANCE[torch.float32])
+        assert check.ok, (impl.name, check)
+        assert check.rel_err < 1e-5
+        if mode == "train":
+            assert check.grad_err is not None and check.grad_err < 1e-5
+
+
+def test_judge_fails_wrong_scores_nan_and_shape():
+    w = _tiny("infer", "cross")
+    inp = make_inputs(w, CPU, torch.float32)
+    ref = runner.reference(w, inp, need_grad=False)
+    good = (ref.scores.clone(),)
+    assert judge(w, good, ref, inp, 1e-4).ok
+    assert not judge(w, (ref.scores * 1.01,), ref, inp, 1e-4).ok
+    nan = ref.scores.clone()
+    nan[0, 0] = float("nan")
+    assert not judge(w, (nan,), ref, inp, 1e-4).ok
+    assert not judge(w, (ref.scores.t(),), ref, inp, 1e-4).ok
+
+
+def test_judge_gradients_tie_robust_but_strict():
+    """bf16 eager picks other near-tied maxima (its similarities are rounded to bf16): accepted through the
+    identity check with a note. Gradients sent to the wrong tokens or scaled wrongly are FAIL."""
+    w = Workload("train", "cross", 8, 16, 32, 300, dim=128)
+    inp = make_inputs(w, CPU, torch.bfloat16)
+    ref = runner.reference(w, inp, need_grad=True)
+    tol = runner.TOLERANCE[torch.bfloat16]
+    s, dQ, dD = make_call(w, EagerImpl().scorer(w, CPU, torch.bfloat16), inp)()
+    check = judge(w, (s, dQ, dD), ref, inp, tol)
+    assert check.ok, check
+    assert check.grad_identity_err is not None and check.grad_identity_err < tol
+    if check.grad_err > tol:
+        assert check.reason and "near-tied maxima" in check.reason
+    # exact gradients pass without a note
+    exact = judge(w, (ref.scores, ref.dQ, ref.dD), ref, inp, tol)
+    assert exact.ok and exact.reason is None
+    # wrong: document tokens of the gradient rolled (sent to the wrong tokens), or scaled
+    assert not judge(w, (ref.scores, ref.dQ, ref.dD.roll(1, dims=1)), ref, inp, tol).ok
+    assert not judge(w, (ref.scores, ref.dQ * 1.2, ref.dD), ref, inp, tol).ok
+    assert not judge(w, (ref.scores, torch.zeros_like(ref.dQ), ref.dD), ref, inp, tol).ok
+    assert not judge(w, (ref.scores,), ref, inp, tol).ok
+
+
+# ---- a wrong implementation is FAIL, a crashing one is error, missing peers are skipped -------------------------
+class _Wrong(Impl):
+    name = "wrong"
+
+    def scorer(self, w, device, dtype):
+        return lambda Q, D: eager_fn(w)(Q, D) * 1.1
+
+
+class _WrongGrad(Impl):
+    """Right scores, gradient of dQ zero."""
+
+    name = "wronggrad"
+
+    def scorer(self, w, device, dtype):
+        def fn(Q, D):
+            return eager_fn(w)(Q.detach() + 0 * Q, D)  # dQ comes back zero
+
+        return fn
+
+
+class _Crash(Impl):
+    name = "crash"
+
+    def scorer(self, w, device, dtype):
+        def fn(Q, D):
+            raise RuntimeError("kernel exploded")
+
+        return fn
+
+
+class _NotForPairs(Impl):
+    name = "nopairs"
+
+    def unsupported(self, w, device, dtype):
+        return "no pairs layout" if w.layout == "pairs" else None
+
+    def scorer(self, w, device, dtype):
+        return eager_fn(w)
+
+
+def eager_fn(w):
+    return lambda Q, D: peers.eager_scores(w.layout, Q, D).float()
+
+
+def _run(ws, impls, **kw):
+    return runner.run(ws, impls, device=CPU, dtype=torch.float32, warmup_ms=0, rep_ms=1, progress=False, **kw)
+
+
+def test_run_marks_fail_error_na_and_skips():
+    ws = [_tiny("infer", "cross"), _tiny("train", "pairs")]
+    impls = [_stand_in(), EagerImpl(), _Wrong(), _WrongGrad(), _Crash(), _NotForPairs(), peers.LikImpl()]
+    logs: list[str] = []
+    res = _run(ws, impls, log=logs.append)
+    rows = {(r.mode, r.impl): r for r in res.rows}
+    assert len(res.rows) == len(ws) * len(impls)
+    for mode in ("infer", "train"):
+        assert rows[(mode, "maxsim")].status == "ok"
+        assert rows[(mode, "eager")].status == "ok"
+        assert rows[(mode, "wrong")].status == "FAIL" and "scores" in rows[(mode, "wrong")].reason
+        assert rows[(mode, "wrong")].vs_best_peer is None and rows[(mode, "wrong")].vs_eager is None
+        assert rows[(mode, "crash")].status == "error" and "kernel exploded" in rows[(mode, "crash")].reason
+        assert rows[(mode, "lik")].status == "skipped" and "CUDA" in rows[(mode, "lik")].reason
+    assert rows[("infer", "wronggrad")].status == "ok"  # inference has no gradient to get wrong
+    assert rows[("train", "wronggrad")].status == "FAIL" and "gradient" in rows[("train", "wronggrad")].reason
+    assert rows[("train", "nopairs")].status == "n/a" and rows[("train", "nopairs")].reason == "no pairs layout"
+    assert rows[("infer", "nopairs")].status == "ok"
+    assert any(line.startswith("lik: skipped") for line in logs)
+    # the wrong implementation was timed but never ranked as the best peer
+    ours = rows[("infer", "maxsim")]
+    ok_peers = [r.ms for r in res.rows if r.mode == "infer" and r.impl != "maxsim" and r.status == "ok"]
+    assert ours.vs_best_peer == pytest.approx(min(ok_peers) / ours.ms)
+
+
+def test_explicit_skip_and_unimportable_peer():
+    res = _run([_tiny("infer", "cross")], [_stand_in(), EagerImpl()], skip={"eager": "left out"})
+    eager = next(r for r in res.rows if r.impl == "eager")
+    assert eager.status == "skipped" and eager.reason == "left out" and eager.ms is None
+
+    class Missing(peers._ImportedPeer):
+        name = "missing"
+        module = "maxsim_no_such_module_xyz"
+        distribution = "no-such-dist"
+
+    assert "not importable" in Missing().unavailable(torch.device("cuda"))
+    assert "needs CUDA" in Missing().unavailable(CPU)
+    assert Missing().version() is None
+    for impl in (peers.LikImpl(), peers.FlashImpl()):
+        assert "needs CUDA" in impl.unavailable(CPU)
+    assert peers.default_skips(CPU).keys() == {"compile"}
+    assert peers.default_skips(torch.device("cuda")) == {}
+
+
+def test_maxsim_unavailable_is_reported(monkeypatch):
+    monkeypatch.delattr(maxsim, "maxsim")
+    assert "not importable" in MaxsimImpl().unavailable(CPU)
+
+
+def test_make_impls_order_and_errors():
+    assert [i.name for i in peers.make_impls(["flash", "maxsim", "eager"])] == ["maxsim", "eager", "flash"]
+    with pytest.raises(ValueError, match="unknown"):
+        peers.make_impls(["fast"])
+
+
+# ---- eager baseline --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_eager_chunking_is_exact(layout):
+    w = _tiny("infer", layout)
+    inp = make_inputs(w, CPU, torch.float32)
+    whole = peers.eager_scores(layout, inp.Q, inp.D)
+    for chunks in (2, 3, 100):
+        got = peers.chunked_over_documents(layout, lambda Q, D: peers.eager_scores(layout, Q, D), chunks)(inp.Q, inp.D)
+        torch.testing.assert_close(got, whole)
+
+
+def test_eager_chunk_count_and_memory_guard(monkeypatch):
+    w = Workload("infer", "cross", 32, 65536, 32, 256)
+    sim = w.sims() * 2
+    assert peers.eager_chunks(w, 2, sim) == 1
+    assert peers.eager_chunks(w, 2, sim // 3) == 4
+    assert peers.eager_chunks(w, 2, 1) == w.nd
+    t = Workload("train", "cross", 256, 256, 32, 300)
+    monkeypatch.setattr(peers, "free_memory", lambda device: 1 << 30)
+    assert "GiB" in EagerImpl().unsupported(t, CPU, torch.bfloat16)
+    assert EagerImpl().unsupported(w, CPU, torch.bfloat16) is None  # inference chunks instead
+    monkeypatch.setattr(peers, "free_memory", lambda device: 1 << 40)
+    assert EagerImpl().unsupported(t, CPU, torch.bfloat16) is None
+
+
+def test_eager_keeps_input_dtype():
+    w = _tiny("infer", "cross")
+    inp = make_inputs(w, CPU, torch.bfloat16)
+    out = make_call(w, EagerImpl().scorer(w, CPU, torch.bfloat16), inp)()
+    assert out[0].dtype == torch.bfloat16
+
+
+# ---- roofline and ratios ---------------------------------------------------------------------------------------
+def test_roofline_floor_arithmetic():
+    roof = Roofline(bandwidth=1e12, matmul_rate=1e15)
+    w = Workload("infer", "cross", 2, 3, 4, 5, dim=8)
+    flops, nbytes, floor = roofline_floor(w, 2, roof)
+    assert flops == 2 * 6 * 4 * 5 * 8
+    assert nbytes == (2 * 4 + 3 * 5) * 8 * 2 + 4 * 6
+    assert floor == pytest.approx(max(flops / 1e15, nbytes / 1e12) * 1e3)
+    t = Workload("train", "cross", 2, 3, 4, 5, dim=8)
+    tflops, tbytes, tfloor = roofline_floor(t, 2, roof)
+    assert tflops == flops + 4 * 24 * 8  # gathers: one multiply-add per element for dQ and for dD
+    extra = 2 * 4 * 24 + 4 * 6 + 2 * 24 * 8 * 2 + (2 * 4 + 3 * 5) * 8 * 2  # argmax, grad_out, gathers, grads
+    assert tbytes == nbytes + extra
+    assert tfloor == pytest.approx(max(tflops / 1e15, tbytes / 1e12) * 1e3)
+    # compute-bound corpus scan: ~5.6 ms on an H200 (design.md §7: 790 TF/s, 4.3 TB/s)
+    corpus = Workload("infer", "cross", 32, 65536, 32, 256)
+    _, _, f = roofline_floor(corpus, 2, Roofline(bandwidth=4.3e12, matmul_rate=790e12))
+    assert f == pytest.approx(5.57, rel=0.02)
+    # design.md §7 training floor of the 64×64 Lq32 Ld1024 step on an H200: ~0.05 ms
+    colpali = Workload("train", "cross", 64, 64, 32, 1024)
+    _, _, f = roofline_floor(colpali, 2, Roofline(bandwidth=4.3e12, matmul_rate=790e12))
+    assert f == pytest.approx(0.05, rel=0.2)
+    assert roofline_floor(w, 2, Roofline())[2] is None
+
+
+def _row(impl, ms, status="ok", mode="infer", workload="w", floor=0.5):
+    return Row(
+        workload=workload, mode=mode, layout="cross", note="", shape={}, dtype="bfloat16", impl=impl,
+        card="h100", status=status, ms=ms, floor_ms=floor,
+    )  # fmt: skip
+
+
+def test_ratio_arithmetic_and_fail_not_ranked():
+    rows = [
+        _row("maxsim", 1.0),
+        _row("eager", 8.0),
+        _row("compile", 4.0),
+        _row("lik", 2.0),
+        _row("flash", 0.1, status="FAIL"),  # fastest but wrong: never the best peer
+        _row("maxsim", 3.0, workload="v"),
+        _row("eager", None, status="n/a", workload="v"),
+        _row("lik", 1.5, workload="v", floor=None),
+    ]
+    compute_ratios(rows)
+    ours, eager, compile_, lik, flash = rows[:5]
+    assert ours.vs_eager == pytest.approx(8.0) and ours.vs_best_peer == pytest.approx(2.0)
+    assert ours.floor_frac == pytest.approx(0.5)
+    assert eager.vs_eager == pytest.approx(1.0) and eager.vs_best_peer == pytest.approx(0.25)
+    assert compile_.vs_best_peer == pytest.approx(0.5) and lik.vs_best_peer == pytest.approx(1.0)
+    assert flash.vs_eager is None and flash.vs_best_peer is None and flash.floor_frac is None
+    v_ours, v_eager, v_lik = rows[5:]
+    assert v_ours.vs_eager is None and v_ours.vs_best_peer == pytest.approx(0.5)
+    assert v_eager.vs_best_peer is None and v_lik.floor_frac is None
+    assert runner.best_peer(rows[:5]) is lik
+
+
+def test_cpu_timer_and_card_slug(monkeypatch):
+    calls = []
+    ms = runner._cpu_ms(lambda: calls.append(time.sleep(0.001)), warmup_ms=0, rep_ms=0, min_reps=5)
+    assert ms >= 1.0 and len(calls) >= 6
+    assert runner.card_slug(CPU) == "cpu"
+    cuda = torch.device("cuda", 0)
+    for name, slug in [
+        ("NVIDIA H100 80GB HBM3", "h100"),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA GeForce RTX 4090", "geforce-rtx-4090"),
+    ]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
+        assert runner.card_slug(cuda) == slug
+
+
+# ---- outputs -----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_result():
+    ws = [_tiny("infer", "cross"), _tiny("infer", "candidates"), _tiny("train", "pairs")]
+    res = _run(ws, [_stand_in(), EagerImpl(), _Wrong(), peers.FlashImpl()])
+    # pretend a roofline so that the chart's second panel and the floor columns are exercised
+    for r in res.rows:
+        r.floor_ms = 0.001
+    compute_ratios(res.rows)
+    return res
+
+
+def test_json_schema(small_result):
+    doc = report.to_json(small_result)
+    report.validate_json(doc)
+    text = json.dumps(doc, allow_nan=False)
+    back = json.loads(text)
+    report.validate_json(back)
+    row = back["rows"][0]
+    for key in ("workload", "mode", "shape", "dtype", "impl", "ms", "peak_mib", "rel_err", "floor_ms", "card"):
+        assert key in row
+    for key in ("torch", "triton", "cuda", "git_commit"):
+        assert key in row and key in back["meta"]
+    assert back["meta"]["card"] == "cpu" and back["meta"]["quick"] is False
+    assert {r["status"] for r in back["rows"]} == {"ok", "FAIL", "skipped"}
+    assert [r.impl for r in report.rows_from_json(back)] == [r.impl for r in small_result.rows]
+    bad = json.loads(text)
+    del bad["rows"][0]["ms"]
+    bad["rows"][1]["status"] = "great"
+    bad["rows"][2]["rel_err"] = "small"
+    with pytest.raises(ValueError) as e:
+        report.validate_json(bad)
+    assert "missing 'ms'" in str(e.value) and "great" in str(e.value) and "rel_err" in str(e.value)
+
+
+def test_nan_error_is_written_as_null(small_result):
+    doc = report.to_json(small_result)
+    row = dict(doc["rows"][0])
+    row["rel_err"] = float("nan")
+    assert report._clean(row)["rel_err"] is None
+
+
+def test_terminal_and_markdown(small_result):
+    table = report.terminal_table(small_result)
+    assert "infer/cross-4x5-lq6-ld9-d16" in table and "FAIL" in table
+    assert "flash: skipped" in table
+    md = report.markdown(small_result)
+    assert "## Inference (forward)" in md and "## Training (forward + backward)" in md
+    assert "| workload | shape | floor ms | maxsim | eager | flash | wrong | vs best peer | % floor |" in md
+    assert "FAIL" in md and "`flash` not available" in md
+
+
+def test_write_outputs_creates_card_files(small_result, tmp_path):
+    out = tmp_path / "benchmarks" / "results"
+    paths = report.write_outputs(small_result, out, log=lambda s: None)
+    names = sorted(p.name for p in paths)
+    assert names == ["cpu.json", "cpu.md", "cpu.png"]
+    report.validate_json(json.loads((out / "cpu.json").read_text()))
+    assert (out / "cpu.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_from_json_rerenders_markdown_and_chart(small_result, tmp_path, capsys):
+    report.write_outputs(small_result, tmp_path, log=lambda s: None)
+    saved = (tmp_path / "cpu.json").read_text()
+    (tmp_path / "cpu.md").unlink()
+    (tmp_path / "cpu.png").unlink()
+    assert main(["bench", "--from-json", str(tmp_path / "cpu.json")]) == 0
+    assert (tmp_path / "cpu.md").read_text() == report.markdown(small_result)
+    assert (tmp_path / "cpu.png").exists() and (tmp_path / "cpu.json").read_text() == saved
+    assert "FAIL" in capsys.readouterr().out
+    assert main(["bench", "--from-json", str(tmp_path / "missing.json")]) == 2
+
+
+def test_png_without_matplotlib(small_result, tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def fake_import(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError("no matplotlib here")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    logs: list[str] = []
+    paths = report.write_outputs(small_result, tmp_path, log=logs.append)
+    assert sorted(p.name for p in paths) == ["cpu.json", "cpu.md"]
+    assert logs and "matplotlib" in logs[0]
+
+
+# ---- command line ------------------------------------------------------------------------------------------------
+def test_cli_list_and_bad_only(capsys):
+    assert main(["bench", "--list", "--mode", "train"]) == 0
+    out = capsys.readouterr().out
+    assert "train/pairs-512-lq32-ld300" in out and "infer/" not in out
+    assert main(["bench", "--only", "no-such-workload"]) == 2
+
+
+def test_cli_quick_subset_in_process(tmp_path, capsys):
+    """A tiny ``--quick`` run through the real command (and the real maxsim), writing the three files."""
+    rc = main(
+        [
+            "bench", "--quick", "--device", "cpu", "--no-progress", "--only", "cross-32x32-lq32-ld80",
+            "pairs-*", "--rep-ms", "5", "--warmup-ms", "1", "--out", str(tmp_path),
+        ]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "infer/cross-32x32-lq32-ld80" in out and "train/pairs-512-lq32-ld300" in out
+    assert "compile: skipped" in out and "lik: skipped" in out and "flash: skipped" in out
+    doc = json.loads((tmp_path / "cpu.json").read_text())
+    report.validate_json(doc)
+    assert doc["meta"]["quick"] is True and doc["meta"]["dtype"] == "float32"
+    ran = {(r["mode"], r["workload"], r["impl"]): r for r in doc["rows"]}
+    for key in [
+        ("infer", "cross-32x32-lq32-ld80"),
+        ("train", "cross-32x32-lq32-ld80"),
+        ("train", "pairs-512-lq32-ld300"),
+    ]:
+        assert ran[(*key, "maxsim")]["status"] == "ok" and ran[(*key, "eager")]["status"] == "ok"
+        assert ran[(*key, "maxsim")]["ms"] > 0 and ran[(*key, "maxsim")]["floor_ms"] is None
+    assert (tmp_path / "cpu.md").exists() and (tmp_path / "cpu.png").exists()
+
+
+def test_cli_impl_subset_runs_only_those(tmp_path, capsys):
+    rc = main(
+        [
+            "bench", "--quick", "--device", "cpu", "--no-progress", "--mode", "infer", "--only",
+            "cross-32x32-lq32-ld80", "--impl", "eager", "maxsim", "--rep-ms", "2", "--warmup-ms", "1",
+        ]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0 and "compile" not in out.split("card cpu")[-1].split("vs eager /")[0]
+
+
+def test_cli_exit_code_when_maxsim_is_wrong(monkeypatch, capsys):
+    class WrongMaxsim(_Wrong):
+        name = "maxsim"
+
+    monkeypatch.setitem(peers._FACTORIES, "maxsim", WrongMaxsim)
+    argv = ["bench", "--quick", "--device", "cpu", "--no-progress", "--mode", "infer", "--rep-ms", "1"]
+    rc = main([*argv, "--only", "cross-32x32-lq32-ld80", "--impl", "maxsim", "eager"])
+    assert rc == 1 and "FAIL" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_cli_full_quick_run_under_two_minutes(tmp_path, capsys):
+    """Issue 3: ``maxsim bench --quick`` on a 2-core CPU finishes in under 2 minutes, maxsim against eager."""
+    t0 = time.perf_counter()
+    rc = main(["bench", "--quick", "--device", "cpu", "--no-progress", "--out", str(tmp_path)])
+    elapsed = time.perf_counter() - t0
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    doc = json.loads((tmp_path / "cpu.json").read_text())
+    ours = [r for r in doc["rows"] if r["impl"] == "maxsim"]
+    assert len(ours) == len(workloads.WORKLOADS) and all(r["status"] == "ok" for r in ours)
+    assert all(r["vs_eager"] is not None and math.isfinite(r["vs_eager"]) for r in ours)
+    assert elapsed < 120, f"--quick took {elapsed:.0f} s"
+
+
+@pytest.mark.cuda
+def test_cli_quick_on_gpu(tmp_path, capsys):
+    """On a GPU: roofline measured, floors and peak memory filled in, peers run or are skipped with a reason."""
+    rc = main(
+        [
+            "bench", "--quick", "--device", "cuda", "--no-progress", "--only", "cross-32x32-lq32-ld80",
+            "cand-32x50-lq32-ld180", "pairs-*", "--impl", "maxsim", "eager", "lik", "flash", "--out", str(tmp_path),
+        ]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    jsons = list(tmp_path.glob("*.json"))
+    assert len(jsons) == 1
+    card = jsons[0].stem
+    assert card != "cpu" and (tmp_path / f"{card}.md").exists()
+    doc = json.loads(jsons[0].read_text())
+    assert doc["meta"]["card"] == card
+    report.validate_json(doc)
+    assert doc["meta"]["copy_bandwidth_gbps"] > 100 and doc["meta"]["matmul_tflops"] > 10
+    for r in doc["rows"]:
+        assert r["floor_ms"] is not None and r["floor_ms"] > 0
+        if r["status"] == "ok":
+            assert r["peak_mib"] is not None and r["floor_frac"] is not None
+        else:
+            assert r["reason"]
+    ours = [r for r in doc["rows"] if r["impl"] == "maxsim"]
+    assert all(r["status"] == "ok" for r in ours)

@@ -1,0 +1,251 @@
+"""GPU-only checks (design.md §5): no hidden host syncs, CUDA-graph capture, bitwise determinism of the
+deterministic backward, no Triton recompiles across Nd / Ld / K, and medium-size accuracy (bf16, and fp32 without
+TF32). Every test here is marked ``cuda`` and skipped without a CUDA device."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import (
+    Inputs,
+    call_lib,
+    check_parity,
+    make_inputs,
+    randn,
+    rel_err,
+    seed_of,
+    upstream_grad,
+)
+
+import maxsim
+
+pytestmark = pytest.mark.cuda
+
+DEV = "cuda"
+
+
+def _leaves(inp: Inputs):
+    return inp.Q.detach().clone().requires_grad_(), inp.D.detach().clone().requires_grad_()
+
+
+# ----------------------------------------------------------------------------------------------------
+# no hidden synchronizations
+
+
+@pytest.mark.parametrize("mode", ["fast", "deterministic"])
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalize"])
+@pytest.mark.parametrize("layout", ["cross", "candidates", "pairs"])
+def test_no_host_sync(layout, normalize, mode):
+    """Forward + backward (and a no-grad forward) never synchronize with the host."""
+    inp = make_inputs(layout, 8, 8, 32, 80, 128, dtype=torch.bfloat16, device=DEV, masks="holes", seed=1)
+    Q, D = _leaves(inp)
+    shape = call_lib(inp, normalize=normalize).shape
+    grad = upstream_grad(shape, seed=2, device=DEV)
+    for _ in range(2):  # warm-up: kernel compilation, caches
+        call_lib(inp, Q, D, normalize=normalize, backward=mode).backward(grad)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        s = call_lib(inp, Q, D, normalize=normalize, backward=mode)
+        s.backward(grad)
+        with torch.no_grad():
+            call_lib(inp, normalize=normalize)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------------------------------
+# CUDA graphs
+
+
+def _warm_up_on_side_stream(fn, n=3):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(n):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+
+
+@pytest.mark.parametrize("layout", ["cross", "candidates", "pairs"])
+def test_cuda_graph_forward(layout):
+    """A captured forward replays on new data in the same buffers and equals eager calls bitwise."""
+    inp = make_inputs(layout, 16, 16, 32, 80, 128, dtype=torch.bfloat16, device=DEV, masks="holes", seed=3)
+    Q, D, qm, dm = inp.Q.clone(), inp.D.clone(), inp.q_mask.clone(), inp.d_mask.clone()
+    static = Inputs(layout, Q, D, qm, dm)
+    _warm_up_on_side_stream(lambda: call_lib(static, normalize=True))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call_lib(static, normalize=True)
+    for trial in range(2):
+        fresh = make_inputs(layout, 16, 16, 32, 80, 128, dtype=torch.bfloat16, device=DEV, masks="holes",
+                            seed=10 + trial)  # fmt: skip
+        Q.copy_(fresh.Q)
+        D.copy_(fresh.D)
+        qm.copy_(fresh.q_mask)
+        dm.copy_(fresh.d_mask)
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = call_lib(fresh, normalize=True)
+        assert torch.equal(out, expected), (
+            f"replay {trial} differs from eager (max |diff| {(out - expected).abs().max()})"
+        )
+
+
+@pytest.mark.parametrize("mode", ["deterministic", "fast"])
+def test_cuda_graph_training_step(mode):
+    """A captured training step (forward, cross-entropy, backward) replays like eager steps."""
+    nq, nd, lq, ld, dim = 16, 16, 32, 80, 128
+    Q = randn((nq, lq, dim), seed=4, dtype=torch.bfloat16, device=DEV).requires_grad_()
+    D = randn((nd, ld, dim), seed=5, dtype=torch.bfloat16, device=DEV).requires_grad_()
+    qm = torch.rand(nq, lq, device=DEV) < 0.8
+    dm = torch.rand(nd, ld, device=DEV) < 0.8
+    labels = torch.arange(nq, device=DEV)
+
+    def step(Q, D):
+        s = maxsim.maxsim(Q, D, qm, dm, normalize=True, backward=mode)
+        loss = F.cross_entropy(s / 0.05, labels)
+        loss.backward()
+        return loss
+
+    def warm():
+        Q.grad = D.grad = None
+        step(Q, D)
+
+    _warm_up_on_side_stream(warm)
+    Q.grad = D.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = step(Q, D)
+    static_dQ, static_dD = Q.grad, D.grad
+    for trial in range(2):
+        with torch.no_grad():
+            Q.copy_(randn(Q.shape, seed=20 + trial, dtype=Q.dtype, device=DEV))
+            D.copy_(randn(D.shape, seed=30 + trial, dtype=D.dtype, device=DEV))
+        graph.replay()
+        torch.cuda.synchronize()
+        Qe = Q.detach().clone().requires_grad_()
+        De = D.detach().clone().requires_grad_()
+        loss = step(Qe, De)
+        if mode == "deterministic":
+            assert torch.equal(static_loss, loss)
+            assert torch.equal(static_dQ, Qe.grad)
+            assert torch.equal(static_dD, De.grad)
+        else:
+            torch.testing.assert_close(static_loss, loss, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(static_dQ, Qe.grad, rtol=1e-2, atol=1e-2 * float(Qe.grad.abs().max()))
+            torch.testing.assert_close(static_dD, De.grad, rtol=1e-2, atol=1e-2 * float(De.grad.abs().max()))
+
+
+# ----------------------------------------------------------------------------------------------------
+# determinism
+
+
+@pytest.mark.parametrize("layout", ["cross", "candidates"])
+def test_deterministic_backward_is_bitwise_reproducible(layout):
+    nq, m = (64, 64) if layout == "cross" else (64, 16)
+    inp = make_inputs(layout, nq, m, 32, 128, 128, dtype=torch.bfloat16, device=DEV, masks="holes", seed=6)
+    grad = upstream_grad(call_lib(inp).shape, seed=7, device=DEV)
+    runs = []
+    for _ in range(3):
+        Q, D = _leaves(inp)
+        s = call_lib(inp, Q, D, normalize=True, backward="deterministic")
+        s.backward(grad)
+        runs.append((s.detach(), Q.grad, D.grad))
+    for i in (1, 2):
+        for name, a, b in zip(("scores", "dQ", "dD"), runs[0], runs[i], strict=True):
+            assert torch.equal(a, b), f"{name} of run {i} differs bitwise from run 0"
+    # and the fast backward agrees within bf16 tolerance
+    Q, D = _leaves(inp)
+    call_lib(inp, Q, D, normalize=True, backward="fast").backward(grad)
+    for name, a, b in (("dQ", Q.grad, runs[0][1]), ("dD", D.grad, runs[0][2])):
+        assert rel_err(a, b) < 1e-2, f"fast vs deterministic {name}: rel err {rel_err(a, b):.3g}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# compile count
+
+
+def _jit_functions() -> dict:
+    """Every ``@triton.jit`` function of the kernel modules (unwrapping autotuner / heuristics wrappers)."""
+    from triton.runtime.jit import JITFunction
+
+    found = {}
+    for modname in ("maxsim.kernels.forward", "maxsim.kernels.backward"):
+        mod = importlib.import_module(modname)
+        for name, obj in vars(mod).items():
+            fn, depth = obj, 0
+            while not isinstance(fn, JITFunction) and hasattr(fn, "fn") and depth < 5:
+                fn, depth = fn.fn, depth + 1
+            if isinstance(fn, JITFunction):
+                found[f"{modname}.{name}"] = fn
+    assert found, "no @triton.jit function found in maxsim.kernels.forward / maxsim.kernels.backward"
+    return found
+
+
+def _compiled_keys(fn) -> set:
+    """Keys of the compiled variants of a JITFunction (triton 3.x: ``device_caches[dev][0]`` is the cache)."""
+    keys = set()
+    caches = getattr(fn, "device_caches", None)
+    if caches is None:  # older triton
+        caches = {dev: (c,) for dev, c in getattr(fn, "cache", {}).items()}
+    for dev, entry in caches.items():
+        cache = entry[0] if isinstance(entry, tuple) else entry
+        keys |= {(dev, str(k)) for k in cache}
+    return keys
+
+
+def _fwd_bwd(layout, n, m, ld, *, seed):
+    inp = make_inputs(layout, n, m, 32, ld, 128, dtype=torch.bfloat16, device=DEV, masks="holes", seed=seed)
+    Q, D = _leaves(inp)
+    s = call_lib(inp, Q, D)
+    s.backward(torch.ones_like(s))
+    with torch.no_grad():
+        call_lib(inp)  # the no-argmax inference variant too
+
+
+def test_no_recompile_across_nd_ld_k():
+    """After one warm-up per layout, new Nq / Nd / Ld / K compile no new kernel variant (fixed Lq, dim, dtype)."""
+    for layout in ("cross", "candidates", "pairs"):
+        _fwd_bwd(layout, 4, 16, 64, seed=0)
+    torch.cuda.synchronize()
+    kernels = _jit_functions()
+    before = {name: _compiled_keys(fn) for name, fn in kernels.items()}
+    assert any(before.values()), "the warm-up compiled nothing: cannot find the kernels' caches"
+    for i, (nd, ld, k) in enumerate([(1, 80, 1), (7, 96, 3), (33, 128, 5), (64, 200, 8), (100, 300, 16)]):
+        _fwd_bwd("cross", 4, nd, ld, seed=i + 1)
+        _fwd_bwd("candidates", 3 + i, k, ld, seed=i + 1)
+        _fwd_bwd("pairs", nd, 0, ld, seed=i + 1)
+    torch.cuda.synchronize()
+    new = {name: _compiled_keys(fn) - before[name] for name, fn in kernels.items()}
+    new = {name: keys for name, keys in new.items() if keys}
+    assert not new, f"new kernel variants compiled for new Nq/Nd/Ld/K: { {n: len(k) for n, k in new.items()} }"
+
+
+# ----------------------------------------------------------------------------------------------------
+# medium-size accuracy
+
+
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalize"])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32")])
+@pytest.mark.parametrize("layout", ["cross", "candidates", "pairs"])
+def test_medium_parity(layout, dtype, normalize):
+    """32 x 64 queries/documents, Lq 32, Ld 300, dim 128 with masks: bf16 within its tolerance; fp32 inputs
+    within 1e-5 relative error (IEEE fp32 dot products, no silent TF32)."""
+    n, m = {"cross": (32, 64), "candidates": (32, 16), "pairs": (64, 0)}[layout]
+    seed = seed_of("medium", layout, str(dtype), normalize)
+    inp = make_inputs(layout, n, m, 32, 300, 128, dtype=dtype, device=DEV, masks="holes", seed=seed)
+    with maxsim.backend("triton"):
+        check_parity(inp, normalize=normalize, seed=seed)
+
+
+def test_fp32_is_not_tf32():
+    """Large-magnitude fp32 inputs: TF32 (10-bit mantissa) would give ~1e-3 relative error, IEEE gives ~1e-7."""
+    inp = make_inputs("cross", 16, 16, 32, 128, 256, device=DEV, seed=8)
+    s = maxsim.maxsim(inp.Q, inp.D)
+    ref = maxsim.reference.maxsim(inp.Q.double(), inp.D.double())
+    assert rel_err(s, ref) < 1e-5
