@@ -29,7 +29,7 @@ def parity() -> int:
         (7, 9, 23, 333, 96), (3, 2, 32, 70, 256), (2, 2, 16, 40, 512),
     ]  # fmt: skip
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        for Nq, Nd, Lq, Ld, dim in cases:
+        for Nq, Nd, Lq, Ld, dim in cases if dtype != torch.float16 else cases[:3]:
             for normalize in (False, True):
                 for layout in ("cross", "cand"):
                     Q = torch.randn(Nq, Lq, dim, device="cuda", dtype=dtype)
