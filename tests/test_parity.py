@@ -35,7 +35,7 @@ CROSS_CASES = [
     (1, 3, 33, 300, 100, "holes", False),
     (2, 2, 32, 80, 128, None, True),
     (1, 2, 7, 300, 256, "empty", True),
-    (4, 5, 33, 5, 128, "holes", False),
+    (3, 4, 33, 5, 128, "holes", False),
     (2, 3, 32, 1, 100, "empty", True),
 ]
 

@@ -44,7 +44,8 @@ def _load_q_chunk(q_rows, row_ok, kc, dim, BLOCK_K: tl.constexpr, UPCAST: tl.con
 
 @triton.jit(
     do_not_specialize=[
-        "Nq", "K", "Lq", "Ld", "sq_n", "sd_b", "sd_k", "sqm_n", "sdm_b", "sdm_k", "n_qblocks",
+        "Nq", "K", "Lq", "Ld", "sq_n", "sd_b", "sd_k", "sqm_n", "sdm_b", "sdm_k", "n_qblocks", "n_rsplit",
+        "rows_per_prog",
     ]
 )
 def maxsim_fwd_kernel(
@@ -54,16 +55,17 @@ def maxsim_fwd_kernel(
     sd_b, sd_k, sd_l,
     sqm_n, sqm_l,
     sdm_b, sdm_k, sdm_l,
-    n_qblocks,
+    n_qblocks, n_rsplit, rows_per_prog,
     TQ: tl.constexpr, BQ: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
     HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr, NORMALIZE: tl.constexpr, SAVE_ARGMAX: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     BLOCK_M: tl.constexpr = BQ * TQ
     pid = tl.program_id(0)
-    # Query blocks vary fastest, so programs that run together share a document tile through L2.
+    # Query blocks, then row splits vary fastest, so programs that run together share a document through L2.
     qb = pid % n_qblocks
-    kk = (pid // n_qblocks).to(tl.int64)
+    rs = (pid // n_qblocks) % n_rsplit
+    kk = (pid // (n_qblocks * n_rsplit)).to(tl.int64)
     r = tl.arange(0, BLOCK_M)
     q_idx = qb * BQ + r // TQ
     q_in = q_idx < Nq
@@ -73,9 +75,12 @@ def maxsim_fwd_kernel(
     cols0 = tl.arange(0, BLOCK_N)
 
     score = tl.zeros([BQ], dtype=tl.float32)
-    for t0 in range(0, Lq, TQ):
+    # Long queries are split over programs in blocks of rows_per_prog rows; each writes a partial score.
+    r_lo = rs * rows_per_prog
+    r_hi = tl.minimum(Lq, r_lo + rows_per_prog)
+    for t0 in range(r_lo, r_hi, TQ):
         t = t0 + r % TQ
-        row_ok = q_in & (t < Lq)
+        row_ok = q_in & (t < r_hi)
         if HAS_QMASK:
             row_ok = row_ok & (tl.load(QM + q_idx * sqm_n + t * sqm_l, mask=row_ok, other=0) != 0)
         q_rows = Q + q_idx.to(tl.int64) * sq_n + t * sq_l
@@ -139,8 +144,8 @@ def maxsim_fwd_kernel(
             tl.store(
                 ARG + (q_idx.to(tl.int64) * K + kk) * Lq + t,
                 tl.where(row_live, a, -1),
-                mask=q_in & (t < Lq),
+                mask=q_in & (t < r_hi),
             )
 
     q_out = qb * BQ + tl.arange(0, BQ)
-    tl.store(OUT + q_out.to(tl.int64) * K + kk, score, mask=q_out < Nq)
+    tl.store(OUT + (rs.to(tl.int64) * Nq + q_out) * K + kk, score, mask=q_out < Nq)

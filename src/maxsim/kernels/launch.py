@@ -70,19 +70,25 @@ def forward(
     qm, sqm = _mask_u8(q_mask, Q)
     dm, sdm = _mask_u8(d_mask, Q)
     n_qblocks = triton_cdiv(Nq, cfg.BQ)
-    maxsim_fwd_kernel[(n_qblocks * K,)](
-        Q, D, qm, dm, scores, argmax,
+    # Queries longer than one row block: one program per row block (more programs, shorter ones), partial scores
+    # summed afterwards in a fixed order.
+    n_rsplit = triton_cdiv(Lq, cfg.TQ) if cfg.BQ == 1 else 1
+    out = scores if n_rsplit == 1 else torch.empty((n_rsplit, Nq, K), dtype=torch.float32, device=Q.device)
+    maxsim_fwd_kernel[(n_qblocks * n_rsplit * K,)](
+        Q, D, qm, dm, out, argmax,
         Nq, K, Lq, Ld, dim,
         Q.stride(0), Q.stride(1),
         0 if shared else D.stride(0), D.stride(1), D.stride(2),
-        sqm[0], sqm[1] if q_mask is not None else 0,
+        sqm[0], sqm[1],
         0 if shared else sdm[0], sdm[1], sdm[2],
-        n_qblocks,
+        n_qblocks, n_rsplit, cfg.TQ,
         TQ=cfg.TQ, BQ=cfg.BQ, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, NUM_K=cfg.NUM_K,
         HAS_QMASK=q_mask is not None, HAS_DMASK=d_mask is not None, NORMALIZE=normalize,
         SAVE_ARGMAX=need_argmax, DOT_PRECISION=_dot_precision(Q.dtype), UPCAST=_upcast(Q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    if n_rsplit > 1:
+        torch.sum(out, dim=0, out=scores)
     return scores, argmax
 
 
@@ -125,8 +131,8 @@ def backward(
     n_split = 1
     programs = Nq * n_tb
     target = 4 * _sm_count(Q.device)
-    if programs < target and K > 1:
-        n_split = min(K, triton_cdiv(target, programs), max(1, K // 8))
+    if programs < target and K >= 128:  # below that, two extra launches (sum, cast) cost more than they save
+        n_split = min(triton_cdiv(target, programs), K // 32)
     k_per = triton_cdiv(K, n_split)
     n_split = triton_cdiv(K, k_per)
     direct = n_split == 1 and not normalize
