@@ -29,6 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--mode", choices=("infer", "train", "all"), default="all")
     b.add_argument("--dtype", choices=tuple(DTYPES), help="input dtype (default: bf16 on GPU, fp32 on CPU)")
     b.add_argument("--quick", action="store_true", help="tiny shapes (same names), for CPU and CI")
+    b.add_argument("--full", action="store_true", help="full-size shapes even on CPU (default there: --quick)")
     b.add_argument("--impl", nargs="+", choices=IMPL_NAMES, metavar="IMPL", help=f"any of {', '.join(IMPL_NAMES)}")
     b.add_argument("--out", metavar="DIR", help="write <card>.json, <card>.md and <card>.png into DIR")
     b.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
@@ -56,6 +57,9 @@ def _bench(args: argparse.Namespace) -> int:
 
     if args.from_json:
         return _render(args.from_json, args.out)
+    if not args.quick and not args.full and not torch.cuda.is_available() and args.device != "cuda":
+        print("maxsim bench: no CUDA device, running the --quick (CPU-sized) shapes; --full forces full size")
+        args.quick = True
     try:
         workloads = select(args.mode, args.only, args.quick)
     except ValueError as e:
