@@ -47,9 +47,11 @@ def candidates(Lq: int, dim: int, Nq: int, shared: bool, quick: bool):
     if Lq > 128:
         tq_opts = [64, 128, 256]
     for tq, rows, bn, nw, ns in itertools.product(
-        tq_opts, (32, 64, 128, 256), (32, 64, 128), (4, 8), (2, 3, 4) if not quick else (3,)
+        tq_opts, (32, 64, 128, 256), (32, 64, 128), (4, 8), (2, 3, 4, 5)
     ):
         if rows < tq or (not shared and rows != tq):
+            continue
+        if quick and ns != 3 and rows > 32:
             continue
         bq = rows // tq
         if shared and bq > max(1, triton.next_power_of_2(Nq)):
