@@ -59,6 +59,8 @@ def candidates(Lq: int, dim: int, Nq: int, shared: bool, quick: bool):
         if rows * bn > 256 * 64 or (rows >= 256 and nw == 4):
             continue
         yield ForwardConfig(tq, bq, bn, block_k, num_k, nw, ns)
+        if bq == 1 and Lq > tq:
+            yield ForwardConfig(tq, bq, bn, block_k, num_k, nw, ns, True)
 
 
 def sweep_forward(quick: bool) -> dict:
@@ -149,11 +151,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-sweep", action="store_true")
+    ap.add_argument("--skip-backward", action="store_true")
     a = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
     out = {"device": torch.cuda.get_device_name()}
+    warm = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(50):  # bring the clocks up before timing anything
+        warm @ warm
+    torch.cuda.synchronize()
     out["host_us"] = host_overhead()
-    out["backward"] = backward_pieces()
+    if not a.skip_backward:
+        out["backward"] = backward_pieces()
     if not a.skip_sweep:
         out["forward"] = sweep_forward(a.quick)
     path = os.path.join(os.environ.get("OUT", "."), "tune.json")

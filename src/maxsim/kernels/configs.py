@@ -23,6 +23,7 @@ class ForwardConfig:
     NUM_K: int  # dim chunks
     num_warps: int
     num_stages: int
+    SPLIT_ROWS: bool = False  # BQ == 1 only: one program per TQ-row block of a long query (partial scores)
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,8 @@ def forward(
     n_qblocks = triton_cdiv(Nq, cfg.BQ)
     # Queries longer than one row block: one program per row block (more programs, shorter ones), partial scores
     # summed afterwards in a fixed order.
-    n_rsplit = triton_cdiv(Lq, cfg.TQ) if cfg.BQ == 1 else 1
+    n_rsplit = triton_cdiv(Lq, cfg.TQ) if (cfg.BQ == 1 and cfg.SPLIT_ROWS) else 1
+    rows_per_prog = cfg.TQ if n_rsplit > 1 else Lq
     out = scores if n_rsplit == 1 else torch.empty((n_rsplit, Nq, K), dtype=torch.float32, device=Q.device)
     maxsim_fwd_kernel[(n_qblocks * n_rsplit * K,)](
         Q, D, qm, dm, out, argmax,
@@ -81,7 +82,7 @@ def forward(
         0 if shared else D.stride(0), D.stride(1), D.stride(2),
         sqm[0], sqm[1],
         0 if shared else sdm[0], sdm[1], sdm[2],
-        n_qblocks, n_rsplit, cfg.TQ,
+        n_qblocks, n_rsplit, rows_per_prog,
         TQ=cfg.TQ, BQ=cfg.BQ, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, NUM_K=cfg.NUM_K,
         HAS_QMASK=q_mask is not None, HAS_DMASK=d_mask is not None, NORMALIZE=normalize,
         SAVE_ARGMAX=need_argmax, DOT_PRECISION=_dot_precision(Q.dtype), UPCAST=_upcast(Q.dtype),
