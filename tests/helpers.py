@@ -15,6 +15,7 @@ import os
 import zlib
 from dataclasses import dataclass, replace
 
+import pytest
 import torch
 from torch import Tensor
 
@@ -50,6 +51,23 @@ def triton_usable(device: str | torch.device) -> bool:
 
 def backends_for(device: str | torch.device) -> list[str]:
     return ["torch", "triton"] if triton_usable(device) else ["torch"]
+
+
+def interpreted(backend: str, device: str | torch.device) -> bool:
+    """True when the Triton kernels run under the (slow) interpreter on CPU tensors."""
+    return backend == "triton" and torch.device(device).type == "cpu"
+
+
+FULL_INTERPRETER = os.environ.get("MAXSIM_TEST_FULL_INTERPRETER") == "1"
+
+
+def keep_under_interpreter(keep: bool, backend: str, device: str | torch.device) -> None:
+    """Under the Triton interpreter only a chosen subset of a parametrization runs (all of it on GPU / torch).
+
+    ``MAXSIM_TEST_FULL_INTERPRETER=1`` runs every combination under the interpreter too (slow).
+    """
+    if interpreted(backend, device) and not keep and not FULL_INTERPRETER:
+        pytest.skip("Triton interpreter: this combination is covered by the GPU run (CI keeps a subset)")
 
 
 def seed_of(*parts) -> int:

@@ -15,6 +15,7 @@ from helpers import (
     assert_scores_close,
     case_id,
     check_parity,
+    keep_under_interpreter,
     make_inputs,
     randn,
     ref_forward_backward,
@@ -25,7 +26,14 @@ from helpers import (
 
 import maxsim
 
+DTYPE_LIST = list(DTYPES.values())
 DTYPE_PARAMS = [pytest.param(v, id=k) for k, v in DTYPES.items()]
+
+
+def _diagonal(cases, case, dtype) -> bool:
+    """The interpreter subset: each case in two of the three dtypes, the dtypes spread evenly over the cases."""
+    return (cases.index(case) + DTYPE_LIST.index(dtype)) % len(DTYPE_LIST) != 2
+
 
 # (Nq, Nd, Lq, Ld, dim, masks, normalize)
 CROSS_CASES = [
@@ -35,22 +43,23 @@ CROSS_CASES = [
     (1, 3, 33, 300, 100, "holes", False),
     (2, 2, 32, 80, 128, None, True),
     (1, 2, 7, 300, 256, "empty", True),
-    (3, 4, 33, 5, 128, "holes", False),
+    (2, 2, 33, 5, 48, "holes", False),  # two 33-token queries packed into one block
+    (3, 2, 7, 33, 128, "holes", True),  # three queries in a block of four
     (2, 3, 32, 1, 100, "empty", True),
 ]
 
 # (Nq, K, Lq, Ld, dim, masks, normalize)
 CANDIDATE_CASES = [
     (2, 3, 7, 5, 8, "holes", False),
-    (3, 2, 33, 80, 128, "empty", True),
-    (1, 4, 32, 300, 48, None, False),
+    (2, 2, 33, 80, 128, "empty", True),
+    (1, 3, 32, 300, 48, None, False),
     (2, 1, 1, 1, 96, "holes", True),
 ]
 
 # (B, Lq, Ld, dim, masks, normalize)
 PAIR_CASES = [
     (3, 7, 5, 8, "holes", True),
-    (4, 32, 80, 100, "empty", False),
+    (3, 32, 80, 100, "empty", False),
     (1, 33, 300, 256, None, True),
     (2, 1, 1, 48, None, False),
 ]
@@ -59,6 +68,7 @@ PAIR_CASES = [
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
 @pytest.mark.parametrize("case", CROSS_CASES, ids=case_id)
 def test_cross(case, dtype, backend, device):
+    keep_under_interpreter(_diagonal(CROSS_CASES, case, dtype), backend, device)
     nq, nd, lq, ld, dim, masks, normalize = case
     inp = make_inputs("cross", nq, nd, lq, ld, dim, dtype=dtype, device=device, masks=masks, seed=seed_of(case))
     s, _, _ = check_parity(inp, normalize=normalize, seed=seed_of(case))
@@ -68,6 +78,7 @@ def test_cross(case, dtype, backend, device):
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
 @pytest.mark.parametrize("case", CANDIDATE_CASES, ids=case_id)
 def test_candidates(case, dtype, backend, device):
+    keep_under_interpreter(_diagonal(CANDIDATE_CASES, case, dtype), backend, device)
     nq, k, lq, ld, dim, masks, normalize = case
     inp = make_inputs("candidates", nq, k, lq, ld, dim, dtype=dtype, device=device, masks=masks, seed=seed_of(case))
     s, _, _ = check_parity(inp, normalize=normalize, seed=seed_of(case))
@@ -77,6 +88,7 @@ def test_candidates(case, dtype, backend, device):
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
 @pytest.mark.parametrize("case", PAIR_CASES, ids=case_id)
 def test_pairs(case, dtype, backend, device):
+    keep_under_interpreter(_diagonal(PAIR_CASES, case, dtype), backend, device)
     b, lq, ld, dim, masks, normalize = case
     inp = make_inputs("pairs", b, 0, lq, ld, dim, dtype=dtype, device=device, masks=masks, seed=seed_of(case))
     s, _, _ = check_parity(inp, normalize=normalize, seed=seed_of(case))
@@ -88,26 +100,28 @@ def test_pairs(case, dtype, backend, device):
 @pytest.mark.parametrize("squeeze", ["Q2D", "D2D", "both"])
 def test_squeezed_shapes(squeeze, normalize, dtype, backend, device):
     """2-D Q [Lq, dim] and/or 2-D D [Ld, dim] (with masks [Lq] / [Ld]) drop that axis of the result."""
-    full = make_inputs("cross", 3, 4, 7, 33, 48, dtype=dtype, device=device, masks="holes", seed=seed_of(squeeze))
+    subset = {("Q2D", False, torch.float32), ("D2D", True, torch.bfloat16), ("both", True, torch.float32)}
+    keep_under_interpreter((squeeze, normalize, dtype) in subset, backend, device)
+    full = make_inputs("cross", 3, 2, 7, 33, 48, dtype=dtype, device=device, masks="holes", seed=seed_of(squeeze))
     Q, qm, D, dm = full.Q, full.q_mask, full.D, full.d_mask
     if squeeze in ("Q2D", "both"):
         Q, qm = Q[1], qm[1]
     if squeeze in ("D2D", "both"):
-        D, dm = D[2], dm[2]
+        D, dm = D[1], dm[1]
     inp = Inputs("cross", Q, D, qm, dm)
     s, _, _ = check_parity(inp, normalize=normalize, seed=seed_of(squeeze, normalize))
-    expected_shape = {"Q2D": (4,), "D2D": (3,), "both": ()}[squeeze]
+    expected_shape = {"Q2D": (2,), "D2D": (3,), "both": ()}[squeeze]
     assert s.shape == expected_shape
     # the squeezed call agrees with the matching entry of the full cross call
     lib_full = maxsim.maxsim(full.Q, full.D, full.q_mask, full.d_mask, normalize=normalize)
-    sel = {"Q2D": lib_full[1], "D2D": lib_full[:, 2], "both": lib_full[1, 2]}[squeeze]
+    sel = {"Q2D": lib_full[1], "D2D": lib_full[:, 1], "both": lib_full[1, 1]}[squeeze]
     mag = score_magnitude(inp, normalize, s.shape)
     assert_scores_close(s, sel.double(), dtype=dtype, magnitude=mag, what="squeezed vs full")
 
 
 def _noncontiguous(layout: str, dtype, device, seed: int) -> Inputs:
     """Inputs that are transposed / strided / sliced views (masks too); none of them is contiguous."""
-    nq, m, lq, ld, dim = 3, 2, 7, 33, 48
+    nq, m, lq, ld, dim = 2, 2, 7, 20, 24
     Qb = randn((lq, nq, 2 * dim), seed=seed, dtype=dtype, device=device)
     Q = Qb.transpose(0, 1)[..., ::2]  # [nq, lq, dim], strides (2dim, nq*2dim, 2)
     qm = (torch.rand((lq + 1, nq), generator=torch.Generator().manual_seed(seed + 1)) < 0.7).to(device)
@@ -134,6 +148,8 @@ def _noncontiguous(layout: str, dtype, device, seed: int) -> Inputs:
 @pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalize"])
 @pytest.mark.parametrize("layout", ["cross", "candidates", "pairs"])
 def test_noncontiguous_inputs(layout, normalize, dtype, backend, device):
+    subset = {("cross", True, torch.bfloat16), ("candidates", False, torch.float32), ("pairs", True, torch.float32)}
+    keep_under_interpreter((layout, normalize, dtype) in subset, backend, device)
     inp = _noncontiguous(layout, dtype, device, seed_of(layout, normalize))
     s = check_parity(inp, normalize=normalize, seed=seed_of(layout))[0]
     # the same call on contiguous copies gives the same scores
@@ -150,6 +166,7 @@ def test_noncontiguous_inputs(layout, normalize, dtype, backend, device):
 @pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalize"])
 def test_expanded_candidates(normalize, backend, device):
     """Candidates given as a stride-0 ``expand`` of shared documents; the gradient reaches the shared base."""
+    keep_under_interpreter(normalize, backend, device)
     nq, k, lq, ld, dim = 3, 2, 7, 20, 48
     seed = seed_of("expand", normalize)
     Q = randn((nq, lq, dim), seed=seed, device=device).requires_grad_()

@@ -11,6 +11,7 @@ from helpers import (
     assert_matches_reference,
     canonical,
     int_grid,
+    keep_under_interpreter,
     make_inputs,
     rand_mask,
     randn,
@@ -48,9 +49,11 @@ def op_call(op, **values):
     return tuple(args), kwargs
 
 
-def _op_inputs(layout, *, device, masks=True, requires_grad=False, exact=False, dtype=torch.float32, seed=0):
+def _op_inputs(layout, *, device, masks=True, requires_grad=False, exact=False, seed=0, small=False):
+    """Canonical inputs for the ops: ``Q [2, Lq, 8]``, ``D [Bd, K, Ld, 8]`` with ``Bd`` 1 (cross) or 2."""
     masks = "holes" if masks else None
-    inp = make_inputs(layout, 2, 3, 5, 7, 8, dtype=dtype, device=device, masks=masks, seed=seed, exact=exact)
+    m, lq, ld = (1, 3, 4) if small else (2, 5, 7)
+    inp = make_inputs(layout, 2, m, lq, ld, 8, device=device, masks=masks, seed=seed, exact=exact)
     Q, D, qm, dm = canonical(inp)
     Q, D = Q.contiguous(), D.contiguous()
     if requires_grad:
@@ -99,8 +102,9 @@ OPCHECK_FWD = [  # (layout, masks, normalize, need_argmax)
 
 @pytest.mark.parametrize("case", OPCHECK_FWD, ids=lambda c: "-".join(map(str, c)))
 def test_opcheck_forward(case, impl, device):
+    keep_under_interpreter(case in (OPCHECK_FWD[0], OPCHECK_FWD[2]), impl, device)
     layout, masks, normalize, need_argmax = case
-    inp = _op_inputs(layout, device=device, masks=masks, requires_grad=need_argmax, seed=seed_of(case))
+    inp = _op_inputs(layout, device=device, masks=masks, requires_grad=need_argmax, seed=seed_of(case), small=True)
     args, kwargs = op_call(FWD, **_forward_values(inp, normalize=normalize, need_argmax=need_argmax, impl=impl))
     torch.library.opcheck(FWD, args, kwargs)
 
@@ -124,7 +128,8 @@ def _backward_values(inp, scores, argmax, *, normalize, deterministic, impl, see
 @pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
 @pytest.mark.parametrize("layout", ["cross", "candidates"])
 def test_opcheck_backward(layout, deterministic, impl, device):
-    inp = _op_inputs(layout, device=device, seed=seed_of(layout, deterministic))
+    keep_under_interpreter((layout == "cross") == deterministic, impl, device)
+    inp = _op_inputs(layout, device=device, seed=seed_of(layout, deterministic), small=True)
     args, kwargs = op_call(FWD, **_forward_values(inp, normalize=True, need_argmax=True, impl=impl))
     scores, argmax = FWD(*args, **kwargs)
     _, (bargs, bkwargs) = _backward_values(
@@ -141,6 +146,7 @@ def test_opcheck_backward(layout, deterministic, impl, device):
 @pytest.mark.parametrize("layout", ["cross", "candidates"])
 def test_forward_op_outputs_and_argmax(layout, normalize, impl, device):
     """scores [Nq, K] fp32; argmax [Nq, K, Lq] int32 equal to the reference's (ties -> lowest) where defined."""
+    keep_under_interpreter((layout == "cross") == normalize, impl, device)
     inp = _op_inputs(layout, device=device, exact=True, seed=seed_of("argmax", layout))
     # exact ties: document token 5 duplicates token 3 (both valid) in every document
     D, dm = inp.D.clone(), inp.d_mask.clone()
@@ -162,10 +168,13 @@ def test_forward_op_outputs_and_argmax(layout, normalize, impl, device):
     others = close.clone()
     others[..., 3] = False
     others[..., 5] = False
-    defined = row_valid & ((close.sum(-1) == 1) | (close[..., 3] & close[..., 5] & ~others.any(-1)))
+    planted = close[..., 3] & close[..., 5] & ~others.any(-1)
+    defined = row_valid & ((close.sum(-1) == 1) | planted)
     assert bool(defined.float().mean() > 0.5)
+    # (the float64 reference itself may split the planted tie by one ulp once normalized: expect the lower index)
+    expected = torch.where(planted, torch.full_like(ra, 3), ra)
     arg = argmax.long().cpu()
-    assert torch.equal(arg[defined.cpu()], ra[defined].cpu()), "argmax differs from torch.max's choice"
+    assert torch.equal(arg[defined.cpu()], expected[defined].cpu()), "argmax differs from torch.max's choice"
     assert not bool((arg == 5)[row_valid.cpu()].any()), "a tie went to the higher duplicate"
     assert bool((arg == 3)[row_valid.cpu()].any()), "the planted tie was never the max (test data)"
 
@@ -179,6 +188,8 @@ def test_forward_op_outputs_and_argmax(layout, normalize, impl, device):
 @pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalize"])
 @pytest.mark.parametrize("layout", ["cross", "candidates"])
 def test_backward_op_matches_reference(layout, normalize, deterministic, impl, device):
+    subset = {("cross", True, False), ("cross", False, True), ("candidates", True, True)}
+    keep_under_interpreter((layout, normalize, deterministic) in subset, impl, device)
     inp = _op_inputs(layout, device=device, seed=seed_of("bwd", layout, normalize))
     args, kwargs = op_call(FWD, **_forward_values(inp, normalize=normalize, need_argmax=True, impl=impl))
     scores, argmax = FWD(*args, **kwargs)
@@ -231,8 +242,9 @@ def _loss(layout, Q, D, qm, dm, labels):
 @pytest.mark.parametrize("layout", ["cross", "candidates", "pairs"])
 def test_compile_fullgraph_forward_backward(layout, backend, device):
     """A training-style function calling ``maxsim`` compiles without graph breaks and matches eager (fwd+bwd)."""
+    keep_under_interpreter(layout == "cross", backend, device)
     torch.compiler.reset()
-    n, m = 3, 4
+    n, m = 2, 3
     inp = make_inputs(layout, n, m, 5, 9, 16, device=device, masks="holes", seed=seed_of("compile", layout))
     labels = randn((n,), seed=2, device=device) if layout == "pairs" else torch.arange(n, device=device) % m
     # inductor for the PyTorch path; the interpreter path keeps to aot_eager (tiny and fast)
@@ -269,6 +281,7 @@ def test_compile_handles_new_shapes(backend, device):
 
 
 def test_compile_module(backend, device):
+    keep_under_interpreter(False, backend, device)
     torch.compiler.reset()
     compiled = torch.compile(maxsim.MaxSim(normalize=True), fullgraph=True, backend="aot_eager")
     inp = make_inputs("cross", 2, 3, 5, 9, 16, device=device, masks="holes", seed=5)

@@ -13,6 +13,7 @@ from helpers import (
     assert_scores_close,
     check_parity,
     int_grid,
+    keep_under_interpreter,
     lib_forward_backward,
     make_inputs,
     randn,
@@ -44,6 +45,8 @@ def _inputs(layout, lq, ld, dim, *, dtype=torch.float32, device="cpu", masks=Non
 def test_fully_masked_rows(layout, normalize, dtype, backend, device):
     """A fully masked query or document contributes exactly 0 and gets exactly zero gradient (so do masked
     tokens)."""
+    subset = {("cross", True, torch.bfloat16), ("candidates", False, torch.float32), ("pairs", True, torch.float32)}
+    keep_under_interpreter((layout, normalize, dtype) in subset, backend, device)
     inp = _inputs(layout, 7, 9, 16, dtype=dtype, device=device, masks="empty", seed=seed_of("fm", layout))
     s, dQ, dD = check_parity(inp, normalize=normalize, seed=seed_of("fm", layout, normalize))
     zero = torch.zeros((), dtype=s.dtype, device=s.device)
@@ -64,6 +67,7 @@ def test_fully_masked_rows(layout, normalize, dtype, backend, device):
 
 @pytest.mark.parametrize("layout", ["cross", "candidates", "pairs"])
 def test_everything_masked(layout, backend, device):
+    keep_under_interpreter(layout == "cross", backend, device)
     inp = _inputs(layout, 5, 6, 8, device=device, masks="holes", seed=1)
     for qm, dm in (
         (torch.zeros_like(inp.q_mask), inp.d_mask),
@@ -81,6 +85,8 @@ def test_everything_masked(layout, backend, device):
 @pytest.mark.parametrize("layout", ["cross", "candidates", "pairs"])
 def test_masked_tokens_are_ignored(layout, poison, normalize, backend, device):
     """NaN / inf in masked query or document tokens change neither the scores nor the gradients."""
+    subset = {("cross", "nan", False), ("cross", "inf", True), ("candidates", "nan", True), ("pairs", "inf", False)}
+    keep_under_interpreter((layout, poison, normalize) in subset, backend, device)
     clean = _inputs(layout, 7, 40, 16, device=device, masks="holes", seed=seed_of("poison", layout))
     value = float("nan") if poison == "nan" else float("inf")
     Q = clean.Q.clone()
@@ -112,6 +118,7 @@ NAN_CASES = [  # (where, dtype)
 @pytest.mark.parametrize("layout", ["cross", "candidates"])
 def test_nan_in_valid_token_propagates(layout, where, dtype, backend, device):
     """A NaN in a valid token makes the pair's score NaN (never skipped, wherever it sits in the document)."""
+    keep_under_interpreter((NAN_CASES.index((where, dtype)) + (layout == "cross")) % 2 == 0, backend, device)
     ld = 200  # several document tiles: the NaN must survive later tiles with larger similarities
     inp = _inputs(layout, 5, ld, 16, dtype=dtype, device=device, masks="empty", seed=seed_of("nan", layout))
     Q, D = inp.Q.clone(), inp.D.clone()
@@ -141,18 +148,28 @@ def test_nan_in_valid_token_propagates(layout, where, dtype, backend, device):
 def _planted_ties(layout, dtype, device, *, seed):
     """Integer data where query token i's best document token is duplicated at positions (lo_i, hi_i).
 
-    Returns (inputs, [(lo, hi), ...]). Duplicates sit in one tile, in neighbouring tiles and at both ends.
+    dim 64. Query token i = 2 x (Hadamard row i) on coordinates 0..3 + ±1 noise on coordinates 4..51 (norm 8);
+    a planted document token = Hadamard row i on coordinates 0..3 (norm 2); every other document token = ±1 on
+    coordinates 4..7 (norm 2). The planted pair is the clear max (8 vs <= 4 raw, 0.5 vs <= 0.25 normalized) and
+    every norm is a power of two, so raw and normalized similarities are exact in any summation order: the ties
+    are exact ties for the library and for the float64 reference alike. Returns (inputs, [(lo, hi), ...]).
+    Duplicates sit in one tile, in neighbouring tiles and at both ends.
     """
-    lq, ld, dim = 5, 200, 16
-    pairs = [(0, ld - 1), (5, 6), (70, 140), (100, 101), (3, 150)]
+    lq, ld, dim = 4, 200, 64
+    pairs = [(0, ld - 1), (5, 6), (70, 140), (100, 101)]
     inp = _inputs(layout, lq, ld, dim, dtype=torch.float32, device=device, seed=seed, exact=True)
-    D = int_grid(inp.D.shape, seed=seed + 5, high=1, device=device)  # small background tokens
-    anchors = 3 * int_grid((lq, dim), seed=seed + 6, high=1, device=device)
+    h2 = torch.tensor([[1.0, 1.0], [1.0, -1.0]])
+    hadamard = torch.kron(h2, h2).to(device)  # 4 orthogonal ±1 rows
+    D = torch.zeros(inp.D.shape, device=device)
+    D[..., 4:8] = int_grid(inp.D.shape[:-1] + (4,), seed=seed + 5, high=1, device=device)
     for i, (lo, hi) in enumerate(pairs):
-        D[..., lo, :] = anchors[i]
-        D[..., hi, :] = anchors[i]
-    noise = int_grid(inp.Q.shape, seed=seed + 7, high=1, device=device)
-    Q = anchors.expand_as(inp.Q) + noise  # each query token aims at its anchor
+        D[..., lo, :] = 0
+        D[..., hi, :] = 0
+        D[..., lo, :4] = hadamard[i]
+        D[..., hi, :4] = hadamard[i]
+    Q = torch.zeros(inp.Q.shape, device=device)
+    Q[..., :4] = 2 * hadamard
+    Q[..., 4:52] = int_grid(inp.Q.shape[:-1] + (48,), seed=seed + 7, high=1, device=device)
     return inp.with_(Q=Q.to(dtype), D=D.to(dtype)), pairs
 
 
@@ -171,6 +188,13 @@ TIE_CASES = [  # (layout, dtype): every layout, every dtype, not the full produc
 @pytest.mark.parametrize(("layout", "dtype"), TIE_CASES, ids=lambda v: str(v).replace("torch.", ""))
 def test_ties_go_to_lowest_index(layout, dtype, normalize, backend, device):
     """Exact duplicates of the best document token: the gradient goes to the lowest index, as torch.max."""
+    subset = {
+        ("cross", torch.bfloat16, False),
+        ("cross", torch.float32, True),
+        ("candidates", torch.bfloat16, True),
+        ("pairs", torch.float16, False),
+    }
+    keep_under_interpreter((layout, dtype, normalize) in subset, backend, device)
     inp, pairs = _planted_ties(layout, dtype, device, seed=seed_of("ties", layout))
     sim, _ = similarities(inp, normalize)
     best = sim.amax(-1, keepdim=True)
@@ -217,6 +241,8 @@ def test_natural_ties_integer_data(layout, backend, device):
 @pytest.mark.parametrize("layout", ["cross", "candidates", "pairs"])
 def test_backward_modes_agree_and_deterministic_is_bitwise(layout, dtype, backend, device):
     """Backward "fast" and "deterministic" give the same gradients; "deterministic" is bitwise reproducible."""
+    subset = {("cross", torch.bfloat16), ("candidates", torch.float32), ("pairs", torch.bfloat16)}
+    keep_under_interpreter((layout, dtype) in subset, backend, device)
     n, m = {"cross": (4, 3), "candidates": (3, 2), "pairs": (4, 0)}[layout]
     # few document tokens, many query tokens: many queries pick the same document token (contended scatter)
     inp = make_inputs(layout, n, m, 9, 6, 32, dtype=dtype, device=device, masks="holes", seed=seed_of("bw", layout))
@@ -271,7 +297,7 @@ def test_empty_batches(name, with_masks, backend, device):
 
 def test_normalize_is_scale_invariant(backend, device):
     """normalize=True: scaling a token by c > 0 leaves the scores unchanged and divides its gradient by c."""
-    inp = make_inputs("cross", 2, 3, 7, 20, 32, device=device, masks="holes", seed=5)
+    inp = make_inputs("cross", 2, 2, 7, 20, 32, device=device, masks="holes", seed=5)
     cq = torch.rand(inp.Q.shape[:-1], generator=torch.Generator().manual_seed(6)).to(device)[..., None] * 4 + 0.25
     cd = torch.rand(inp.D.shape[:-1], generator=torch.Generator().manual_seed(7)).to(device)[..., None] * 4 + 0.25
     s, dQ, dD, grad = lib_forward_backward(inp, normalize=True)

@@ -116,9 +116,12 @@ def backward(
         if Bd != 1:
             b = torch.arange(q0, q1, device=Q.device)[:, None, None]
         rows = (b * K + torch.arange(K, device=Q.device)[None, :, None]) * Ld + ix  # [q, K, Lq]
-        picked = Da.reshape(Bd * K * Ld, dim)[rows]  # [q, K, Lq, dim]
+        hit = chosen[q0:q1, :, :, None]
+        zero = Da.new_zeros(())
+        # torch.where, not a product with 0: an unchosen (masked) token may hold NaN or inf.
+        picked = torch.where(hit, Da.reshape(Bd * K * Ld, dim)[rows], zero)  # [q, K, Lq, dim]
         dQ[q0:q1] = torch.einsum("qkl,qkld->qld", w, picked)
-        contrib = w[..., None] * Qa[q0:q1, None, :, :]  # [q, K, Lq, dim]
+        contrib = torch.where(hit, w[..., None] * Qa[q0:q1, None, :, :], zero)  # [q, K, Lq, dim]
         dD_flat.index_add_(0, rows.reshape(-1), contrib.reshape(-1, dim))
     if normalize:
         dQ = project_normalized_grad(dQ, Qa, norm_q)
@@ -134,4 +137,6 @@ def project_normalized_grad(g_hat: Tensor, x_hat: Tensor, norm: Tensor) -> Tenso
     """
     radial = (x_hat * g_hat).sum(dim=-1, keepdim=True)
     clamped = (norm < NORM_EPS)[..., None]
-    return torch.where(clamped, g_hat, g_hat - x_hat * radial) / norm.clamp_min(NORM_EPS)[..., None]
+    grad = torch.where(clamped, g_hat, g_hat - x_hat * radial) / norm.clamp_min(NORM_EPS)[..., None]
+    # A token that received no gradient (masked, or never the max) gets exactly zero, even if it holds NaN/inf.
+    return torch.where((g_hat != 0).any(dim=-1, keepdim=True), grad, grad.new_zeros(()))

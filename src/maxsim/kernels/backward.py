@@ -132,7 +132,8 @@ def maxsim_bwd_dd_owned_kernel(
             t_ok = t < Lq
             a = tl.load(arg_q + t, mask=t_ok, other=-1)
             hit = a[None, :] == j[:, None]  # [BN, TQ]; a == -1 never matches
-            qt = tl.load(q_rows + t[:, None] * sq_l + kd[None, :], mask=t_ok[:, None] & kd_ok[None, :], other=0.0)
+            # Unchosen tokens are not loaded: a masked query token may hold NaN, and 0 * NaN is NaN in the MMA.
+            qt = tl.load(q_rows + t[:, None] * sq_l + kd[None, :], mask=(a >= 0)[:, None] & kd_ok[None, :], other=0.0)
             if NORMALIZE:
                 w = g * tl.load(inv_q + t, mask=t_ok, other=0.0)
                 sel = tl.where(hit, w[None, :], 0.0)

@@ -43,26 +43,27 @@ def _dim_split(dim: int) -> tuple[int, int]:
 
 
 @lru_cache(maxsize=256)
-def forward_config(Lq: int, dim: int, Nq: int, shared_docs: bool) -> ForwardConfig:
+def forward_config(Lq: int, dim: int, Nq: int, shared_docs: bool, need_argmax: bool = False) -> ForwardConfig:
     """Pick the forward variant. ``shared_docs``: every query sees the same documents (cross product)."""
-    # Measured on an H200 (tools/tune.py, bf16, dim 128): packing 8 queries of 32 tokens (256 rows) against one
-    # document tile wins every compute-bound cross-product shape; single thin queries are memory-bound and prefer
-    # 4 warps with 32-64 token tiles; long queries split into 128-row blocks (one program each).
-    TQ = min(128, max(16, next_pow2(Lq)))
-    BQ = 1
-    if shared_docs:
-        BQ = max(1, min(256 // TQ, next_pow2(Nq)))
+    # Measured on an H200 (tools/tune.py, bf16, dim 128; runs 3-5 in docs/performance.md): packing 8 queries of 32
+    # tokens (256 rows) against one document tile wins every compute-bound cross-product shape; single thin
+    # queries are memory-bound and prefer 4 warps; long queries (Lq > 128) run one 128-row block per program.
     block_k, num_k = _dim_split(dim)
+    if Lq > 128:
+        bn = 32 if (need_argmax or num_k > 1) else 64
+        return ForwardConfig(128, 1, bn, block_k, num_k, 4, 3, True)
+    TQ = max(16, next_pow2(Lq))
+    BQ = max(1, min(256 // TQ, next_pow2(Nq))) if shared_docs else 1
+    if num_k > 1:
+        BQ = max(1, BQ // 2)  # keep the accumulator tiles in registers at dim >= 256
     rows = BQ * TQ
     if num_k > 1:
         block_n = 32
     elif rows <= 32:
-        block_n = 32 if dim <= 64 else 64
+        block_n = 128 if dim <= 64 else (32 if not shared_docs else 64)
     else:
         block_n = 64
     num_warps = 8 if rows >= 128 else 4
-    if rows >= 256 and num_k > 1:
-        BQ, rows = BQ // 2, rows // 2  # keep the accumulator tiles in registers at dim >= 256
     return ForwardConfig(TQ, BQ, block_n, block_k, num_k, num_warps, 3)
 
 

@@ -66,7 +66,7 @@ def forward(
         return scores.zero_(), argmax.fill_(-1)
     Q, D = _last_dim_contiguous(Q), _last_dim_contiguous(D)
     shared = Bd == 1
-    cfg = cfg or forward_config(Lq, dim, Nq, shared)
+    cfg = cfg or forward_config(Lq, dim, Nq, shared, need_argmax)
     qm, sqm = _mask_u8(q_mask, Q)
     dm, sdm = _mask_u8(d_mask, Q)
     n_qblocks = triton_cdiv(Nq, cfg.BQ)
