@@ -14,6 +14,8 @@ The scatter comes in two flavours sharing the same inputs:
 
 With ``normalize=True`` the kernels produce gradients w.r.t. the normalized tokens (they scale by the saved-free
 inverse norms); the per-token projection back to the raw tokens happens once per token afterwards.
+
+Sizes are not specialized (no recompile for new shapes); strides are, so that loads stay 16 bytes wide.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["Nq", "K", "Lq", "sd_b", "sd_k", "si_b", "si_k", "n_tb", "k_per", "s_split"])
+@triton.jit(do_not_specialize=["Nq", "K", "Lq", "si_b", "si_k", "n_tb", "k_per", "s_split"])
 def maxsim_bwd_dq_kernel(
     G, ARG, D, INV_D, DQ,
     Nq, K, Lq, dim,
@@ -63,7 +65,7 @@ def maxsim_bwd_dq_kernel(
     tl.store(out, acc.to(DQ.dtype.element_ty), mask=t_ok[:, None] & kd_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["K", "Lq", "sq_n", "sgd_b", "sgd_k", "n_tb"])
+@triton.jit(do_not_specialize=["K", "Lq", "n_tb"])
 def maxsim_bwd_dd_scatter_kernel(
     G, ARG, Q, INV_Q, GD,
     K, Lq, dim,
@@ -95,7 +97,7 @@ def maxsim_bwd_dd_scatter_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["Nq", "K", "Lq", "Ld", "sq_n", "sgd_b", "sgd_k", "n_jb", "n_kb"])
+@triton.jit(do_not_specialize=["Nq", "K", "Lq", "Ld", "n_jb", "n_kb"])
 def maxsim_bwd_dd_owned_kernel(
     G, ARG, Q, INV_Q, GD,
     Nq, K, Lq, Ld, dim,

@@ -42,11 +42,11 @@ def _load_q_chunk(q_rows, row_ok, kc, dim, BLOCK_K: tl.constexpr, UPCAST: tl.con
     return qt
 
 
+# Sizes are runtime values (no recompile for a new Nq, K, Lq or Ld); strides stay specialized, because their
+# divisibility by 16 is what lets loads be 16 bytes wide (a stride that changes with Ld costs at most one more
+# variant). Mask strides change with Ld but only feed byte loads, so they are not specialized either.
 @triton.jit(
-    do_not_specialize=[
-        "Nq", "K", "Lq", "Ld", "sq_n", "sd_b", "sd_k", "sqm_n", "sdm_b", "sdm_k", "n_qblocks", "n_rsplit",
-        "rows_per_prog",
-    ]
+    do_not_specialize=["Nq", "K", "Lq", "Ld", "sqm_n", "sdm_b", "sdm_k", "n_qblocks", "n_rsplit", "rows_per_prog"]
 )
 def maxsim_fwd_kernel(
     Q, D, QM, DM, OUT, ARG,
