@@ -21,6 +21,7 @@ import datetime
 import gc
 import inspect
 import math
+import os
 import platform
 import statistics
 import subprocess
@@ -105,6 +106,8 @@ def card_slug(device: torch.device) -> str:
 def git_commit(path: Path | None = None) -> tuple[str | None, bool | None]:
     """``(HEAD commit, working tree dirty)`` of the repository holding this file; ``(None, None)`` without
     git."""
+    if os.environ.get("MAXSIM_GIT_COMMIT"):  # a copy of the tree without .git (e.g. a remote GPU run)
+        return os.environ["MAXSIM_GIT_COMMIT"], None
     where = str(path or Path(__file__).resolve().parent)
 
     def git(*args: str) -> str:

@@ -132,8 +132,8 @@ def backward(
     n_split = 1
     programs = Nq * n_tb
     target = 4 * _sm_count(Q.device)
-    if programs < target and K >= 128:  # below that, two extra launches (sum, cast) cost more than they save
-        n_split = min(triton_cdiv(target, programs), K // 32)
+    if 2 * programs < target and K >= 64:  # below that, two extra launches (sum, cast) cost more than they save
+        n_split = min(triton_cdiv(target, programs), K // 16)
     k_per = triton_cdiv(K, n_split)
     n_split = triton_cdiv(K, k_per)
     direct = n_split == 1 and not normalize
