@@ -29,6 +29,7 @@ SHAPES = {
     "cross 32x65536 Lq32 Ld256": (32, 65536, 32, 256, 128, True, False),
     "cross 1x500 Lq1024 Ld1024": (1, 500, 1024, 1024, 128, True, False),
     "cand B32 K100 Lq32 Ld256": (32, 100, 32, 256, 128, False, False),
+    "train-fwd cand B64 K32 Lq32 Ld180": (64, 32, 32, 180, 128, False, True),
     "cross 1x1000 Lq32 Ld1024 d48": (1, 1000, 32, 1024, 48, True, False),
     "cross 128x128 Lq32 Ld300": (128, 128, 32, 300, 128, True, False),
     "train-fwd cross 256x256 Lq32 Ld300": (256, 256, 32, 300, 128, True, True),
@@ -63,9 +64,11 @@ def candidates(Lq: int, dim: int, Nq: int, shared: bool, quick: bool):
             yield ForwardConfig(tq, bq, bn, block_k, num_k, nw, ns, True)
 
 
-def sweep_forward(quick: bool) -> dict:
+def sweep_forward(quick: bool, only: str | None = None) -> dict:
     results = {}
     for name, (Nq, K, Lq, Ld, dim, shared, need_arg) in SHAPES.items():
+        if only and not any(part in name for part in only.split(",")):
+            continue
         Q = torch.randn(Nq, Lq, dim, device="cuda", dtype=torch.bfloat16)
         D = torch.randn(1 if shared else Nq, K, Ld, dim, device="cuda", dtype=torch.bfloat16)
         default = forward_config(Lq, dim, Nq, shared)
@@ -152,6 +155,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-sweep", action="store_true")
     ap.add_argument("--skip-backward", action="store_true")
+    ap.add_argument("--shapes", help="comma-separated substrings of shape names to sweep")
     a = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
     out = {"device": torch.cuda.get_device_name()}
@@ -163,7 +167,7 @@ def main() -> None:
     if not a.skip_backward:
         out["backward"] = backward_pieces()
     if not a.skip_sweep:
-        out["forward"] = sweep_forward(a.quick)
+        out["forward"] = sweep_forward(a.quick, a.shapes)
     path = os.path.join(os.environ.get("OUT", "."), "tune.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1, default=str)
