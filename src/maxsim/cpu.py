@@ -91,8 +91,13 @@ def backward(
     D: Tensor,
     argmax: Tensor,
     normalize: bool,
+    deterministic: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """Gradients ``(dQ like Q, dD like D)`` from the saved argmax; masks are already folded into it (-1)."""
+    """Gradients ``(dQ like Q, dD like D)`` from the saved argmax; masks are already folded into it (-1).
+
+    On CPU ``index_add_`` is sequential, hence deterministic. On other devices it uses atomics, so
+    ``deterministic=True`` there selects the tokens with a one-hot product instead (fixed summation order).
+    """
     Nq, Lq, dim = Q.shape
     Bd, K, Ld, _ = D.shape
     acc = accum_dtype(Q.dtype)
@@ -106,7 +111,8 @@ def backward(
     chosen = argmax >= 0  # [Nq, K, Lq]
     weight = grad.to(acc)[:, :, None] * chosen  # [Nq, K, Lq]
     idx = argmax.clamp_min(0).long()
-    nq = max(1, min(Nq, BLOCK_BYTES // (2 * K * Lq * dim * (torch.finfo(acc).bits // 8))))
+    per_query = K * Lq * (2 * dim + (Ld if deterministic else 0)) * (torch.finfo(acc).bits // 8)
+    nq = max(1, min(Nq, BLOCK_BYTES // per_query))
     dD_flat = dD.view(Bd * K * Ld, dim)
     for q0 in range(0, Nq, nq):
         q1 = min(Nq, q0 + nq)
@@ -122,7 +128,15 @@ def backward(
         picked = torch.where(hit, Da.reshape(Bd * K * Ld, dim)[rows], zero)  # [q, K, Lq, dim]
         dQ[q0:q1] = torch.einsum("qkl,qkld->qld", w, picked)
         contrib = torch.where(hit, w[..., None] * Qa[q0:q1, None, :, :], zero)  # [q, K, Lq, dim]
-        dD_flat.index_add_(0, rows.reshape(-1), contrib.reshape(-1, dim))
+        if deterministic and Q.device.type != "cpu":
+            onehot = (ix[..., None] == torch.arange(Ld, device=Q.device)).to(acc)  # [q, K, Lq, Ld]
+            per_query = torch.einsum("qklj,qkld->qkjd", onehot, contrib)  # [q, K, Ld, dim]
+            if Bd == 1:
+                dD[0] += per_query.sum(dim=0)
+            else:
+                dD[q0:q1] = per_query
+        else:
+            dD_flat.index_add_(0, rows.reshape(-1), contrib.reshape(-1, dim))
     if normalize:
         dQ = project_normalized_grad(dQ, Qa, norm_q)
         dD = project_normalized_grad(dD, Da, norm_d)

@@ -37,7 +37,7 @@ def backward_impl(
 ) -> tuple[Tensor, Tensor]:
     if impl == "triton":
         return _triton_path().backward(grad, Q, D, argmax, normalize, deterministic)
-    return cpu.backward(grad, Q, D, argmax, normalize)
+    return cpu.backward(grad, Q, D, argmax, normalize, deterministic)
 
 
 @torch.library.custom_op("maxsim::forward", mutates_args=())

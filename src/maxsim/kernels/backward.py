@@ -24,32 +24,28 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["Nq", "K", "Lq", "si_b", "si_k", "n_tb", "k_per", "s_split"])
+@triton.jit(do_not_specialize=["Nq", "K", "Lq", "si_b", "si_k", "n_tb"])
 def maxsim_bwd_dq_kernel(
     G, ARG, D, INV_D, DQ,
     Nq, K, Lq, dim,
     sd_b, sd_k, sd_l,
     si_b, si_k,
-    n_tb, k_per, s_split,
+    n_tb,
     BT: tl.constexpr, DIM_P: tl.constexpr, NORMALIZE: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    split = tl.program_id(1)
     q = (pid // n_tb).to(tl.int64)
     t = (pid % n_tb) * BT + tl.arange(0, BT)
     t_ok = t < Lq
     kd = tl.arange(0, DIM_P)
     kd_ok = kd < dim
-    k_lo = split * k_per
-    k_hi = tl.minimum(K, k_lo + k_per)
     acc = tl.zeros([BT, DIM_P], dtype=tl.float32)
     # Pointers advance by one document per step (64-bit pointer arithmetic: no int32 offset overflow).
-    k0 = k_lo.to(tl.int64)
-    arg_ptr = ARG + (q * K + k0) * Lq + t
-    g_ptr = G + q * K + k0
-    d_ptr = D + q * sd_b + k0 * sd_k
-    inv_ptr = INV_D + q * si_b + k0 * si_k
-    for _ in range(k_lo, k_hi):
+    arg_ptr = ARG + q * K * Lq + t
+    g_ptr = G + q * K
+    d_ptr = D + q * sd_b
+    inv_ptr = INV_D + q * si_b
+    for _ in range(0, K):
         a = tl.load(arg_ptr, mask=t_ok, other=-1)
         hit = a >= 0
         w = tl.load(g_ptr) + tl.zeros([BT], dtype=tl.float32)
@@ -61,7 +57,7 @@ def maxsim_bwd_dq_kernel(
         g_ptr += 1
         d_ptr += sd_k
         inv_ptr += si_k
-    out = DQ + split.to(tl.int64) * s_split + (q * Lq + t[:, None]) * dim + kd[None, :]
+    out = DQ + (q * Lq + t[:, None]) * dim + kd[None, :]
     tl.store(out, acc.to(DQ.dtype.element_ty), mask=t_ok[:, None] & kd_ok[None, :])
 
 

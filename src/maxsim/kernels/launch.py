@@ -126,30 +126,21 @@ def backward(
     else:
         inv_q = inv_d = grad  # unused pointers
 
-    # dQ: gather. Split the documents over programs only when too few (query, token-block) programs exist; the
-    # partial sums are then reduced in a fixed order, so dQ is deterministic either way.
+    # dQ: gather, one program per (query, token block), summing over its documents in order (deterministic).
+    # It is written straight in Q's dtype (fp32 when a normalize projection follows); splitting the documents
+    # over more programs would need a partial-sum buffer of another dtype, i.e. a second variant compiled at a
+    # data-dependent moment, which the launch table rules out.
     n_tb = triton_cdiv(Lq, cfg.BT)
-    n_split = 1
-    programs = Nq * n_tb
-    target = 4 * _sm_count(Q.device)
-    if 2 * programs < target and K >= 64:  # below that, two extra launches (sum, cast) cost more than they save
-        n_split = min(triton_cdiv(target, programs), K // 16)
-    k_per = triton_cdiv(K, n_split)
-    n_split = triton_cdiv(K, k_per)
-    direct = n_split == 1 and not normalize
-    dq_buf = torch.empty(
-        (n_split, Nq, Lq, dim), dtype=Q.dtype if direct else torch.float32, device=Q.device
-    )
-    maxsim_bwd_dq_kernel[(Nq * n_tb, n_split)](
-        grad, argmax, D, inv_d, dq_buf,
+    dQ = torch.empty((Nq, Lq, dim), dtype=torch.float32 if normalize else Q.dtype, device=Q.device)
+    maxsim_bwd_dq_kernel[(Nq * n_tb,)](
+        grad, argmax, D, inv_d, dQ,
         Nq, K, Lq, dim,
         0 if shared else D.stride(0), D.stride(1), D.stride(2),
         0 if (shared or not normalize) else inv_d.stride(0), inv_d.stride(1) if normalize else 0,
-        n_tb, k_per, dq_buf.stride(0),
+        n_tb,
         BT=cfg.BT, DIM_P=cfg.DIM_P, NORMALIZE=normalize,
         num_warps=cfg.num_warps,
     )  # fmt: skip
-    dQ = dq_buf[0] if n_split == 1 else dq_buf.sum(dim=0)
 
     # dD: documents scored by one query each (candidates, pairs) take the owner kernel, which is then also the
     # fastest (no zeroed fp32 buffer, no atomics, no cast); the cross product uses atomics unless asked not to.
@@ -172,7 +163,6 @@ def backward(
     else:
         direct_d = not normalize and D.dtype == torch.float32
         gd = torch.zeros((Bd, K, Ld, dim), dtype=torch.float32, device=D.device)
-        n_tb = triton_cdiv(Lq, cfg.BT)
         maxsim_bwd_dd_scatter_kernel[(Nq * K * n_tb,)](
             grad, argmax, Q, inv_q, gd,
             K, Lq, dim,
@@ -190,14 +180,3 @@ def backward(
     dD = gd if direct_d else gd.to(D.dtype)
     return dQ.to(Q.dtype), dD
 
-
-_SM_COUNT: dict[torch.device, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    """Multiprocessor count (cached; a host-side property, no sync). The interpreter pretends to have 4."""
-    if device.type != "cuda":
-        return 4
-    if device not in _SM_COUNT:
-        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNT[device]
