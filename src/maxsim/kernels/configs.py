@@ -60,7 +60,8 @@ def forward_config(Lq: int, dim: int, Nq: int, shared_docs: bool, need_argmax: b
     if num_k > 1:
         block_n = 32
     elif rows <= 32:
-        block_n = 128 if dim <= 64 else (32 if not shared_docs else 64)
+        # Independent of shared_docs on purpose: a batch of one (pairs B=1, candidates Nq=1) is also "shared".
+        block_n = 128 if dim <= 64 else 32
     else:
         block_n = 64
     num_warps = 8 if rows >= 128 else 4
