@@ -320,6 +320,12 @@ def write_png(result: Result, path: Path) -> str | None:
             ax.barh(y, v - 1.0, left=1.0, color="tab:green" if v >= 1 else "tab:red")
     ax.set_xscale("log")
     ax.set_xlim(lo, hi * 2.5)
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
+
+    ax.xaxis.set_minor_locator(NullLocator())  # minor log labels overlap
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.xaxis.set_major_locator(FixedLocator([t for t in (0.25, 0.5, 1, 2, 4, 8) if lo <= t <= hi * 2.5]))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
     ax.axvline(1.0, color="black", lw=1)
     for y, v, peer in zip(ys, speedups, peer_names, strict=True):
         text = f" {v:.2f}x vs {peer}" if v is not None else " maxsim not ranked (FAIL/n/a/error)"
