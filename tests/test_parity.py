@@ -1,7 +1,7 @@
 """Parity of scores AND gradients with the float64 reference: layouts, dtypes, odd shapes, masks, normalize.
 
-The shape lists cover dim 8/48/96/100/128/256, Lq 1/7/32/33 and Ld 1/5/80/300 without taking the full product
-(the Triton interpreter on CPU is slow); every case runs in fp32, fp16 and bf16 on every usable backend.
+The shape lists cover dim 8/48/96/100/128/256, Lq 1/7/32/33/140/150/200 and Ld 1/5/80/300 without taking the
+full product (the Triton interpreter on CPU is slow); every case runs in fp32, fp16 and bf16 on every usable backend.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ CROSS_CASES = [
     (2, 2, 33, 5, 48, "holes", False),  # two 33-token queries packed into one block
     (3, 2, 7, 33, 128, "holes", True),  # three queries in a block of four
     (2, 3, 32, 1, 100, "empty", True),
+    (1, 2, 200, 17, 16, "holes", False),  # long query: one program per 128-row block, partial scores summed
+    (3, 2, 150, 9, 16, "holes", True),  # long queries in the cross product (packed blocks walk several rows)
 ]
 
 # (Nq, K, Lq, Ld, dim, masks, normalize)
@@ -54,6 +56,7 @@ CANDIDATE_CASES = [
     (2, 2, 33, 80, 128, "empty", True),
     (1, 3, 32, 300, 48, None, False),
     (2, 1, 1, 1, 96, "holes", True),
+    (2, 2, 140, 12, 16, None, False),  # long queries against their own candidates
 ]
 
 # (B, Lq, Ld, dim, masks, normalize)
