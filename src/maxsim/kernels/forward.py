@@ -106,9 +106,10 @@ def maxsim_fwd_kernel(
                 if NUM_K > 1:
                     qt = _load_q_chunk(q_rows, row_ok, kc, dim, BLOCK_K, UPCAST)
                 kd = kc * BLOCK_K + tl.arange(0, BLOCK_K)
+                # Masked document tokens are not read (they may hold NaN/inf, and their bytes are not needed).
                 dt = tl.load(
                     d_doc + cols[:, None] * sd_l + kd[None, :],
-                    mask=in_doc[:, None] & (kd[None, :] < dim),
+                    mask=col_ok[:, None] & (kd[None, :] < dim),
                     other=0.0,
                 )  # [BLOCK_N, BLOCK_K], contiguous along dim
                 if NORMALIZE:
