@@ -29,12 +29,13 @@ def _normalized(x: Tensor) -> tuple[Tensor, Tensor]:
     return x / norm.clamp_min(NORM_EPS)[..., None], norm
 
 
-def _blocks(Nq: int, K: int, Lq: int, Ld: int, dim: int, itemsize: int) -> tuple[int, int]:
-    """Queries and documents per block so that the similarity block stays within :data:`BLOCK_BYTES`."""
+def _blocks(Nq: int, K: int, Lq: int, Ld: int, dim: int, itemsize: int, shared: bool) -> tuple[int, int]:
+    """Queries and documents per block so that the similarity block (and, for per-query documents, the upcast
+    document block) stays within :data:`BLOCK_BYTES`."""
     per_pair = max(1, Lq * Ld * itemsize)
     per_doc = max(1, Ld * dim * itemsize)
     nk = max(1, min(K, BLOCK_BYTES // (per_pair + per_doc)))
-    nq = max(1, min(Nq, BLOCK_BYTES // (per_pair * nk)))
+    nq = max(1, min(Nq, BLOCK_BYTES // ((per_pair + (0 if shared else per_doc)) * nk)))
     return nq, nk
 
 
@@ -54,9 +55,7 @@ def forward(
     argmax = torch.full((Nq, K, Lq) if need_argmax else (0,), -1, dtype=torch.int32, device=Q.device)
     if scores.numel() == 0 or Lq == 0 or Ld == 0:
         return scores, argmax
-    nq, nk = _blocks(Nq if Bd == 1 else 1, K, Lq, Ld, dim, torch.finfo(acc).bits // 8)
-    if Bd != 1:
-        nq = 1  # per-query candidates: a block holds one query's own documents
+    nq, nk = _blocks(Nq, K, Lq, Ld, dim, torch.finfo(acc).bits // 8, Bd == 1)
     for q0 in range(0, Nq, nq):
         q1 = min(Nq, q0 + nq)
         qb = Q[q0:q1].to(acc)
