@@ -75,7 +75,7 @@ def sweep_forward(quick: bool, only: str | None = None) -> dict:
         rows = []
         for cfg in [default, *candidates(Lq, dim, Nq, shared, quick)]:
             try:
-                ms = bench(lambda cfg=cfg: launch.forward(Q, D, None, None, False, need_arg, cfg))
+                ms = bench(lambda cfg=cfg: launch.forward(Q, D, None, None, False, need_arg, cfg=cfg))
             except Exception as e:  # noqa: BLE001 - a config that fails to compile is just skipped
                 print(f"  {name}: {cfg} failed: {repr(e)[:120]}")
                 continue

@@ -6,8 +6,9 @@ a blockwise PyTorch path everywhere else, identical semantics (see :mod:`maxsim.
 
 from . import reference
 from .backend import backend, get_backend, set_backend
-from .functional import maxsim, maxsim_pairs
+from .functional import maxsim, maxsim_pairs, maxsim_with_argmax
 from .module import MaxSim
+from .ragged import maxsim_padded, maxsim_pairs_varlen, maxsim_varlen
 
 __version__ = "0.1.0"
 
@@ -16,7 +17,11 @@ __all__ = [
     "backend",
     "get_backend",
     "maxsim",
+    "maxsim_padded",
     "maxsim_pairs",
+    "maxsim_pairs_varlen",
+    "maxsim_varlen",
+    "maxsim_with_argmax",
     "reference",
     "set_backend",
 ]

@@ -20,9 +20,10 @@ def _deterministic(mode: str) -> bool:
     return mode == "deterministic"
 
 
-def _run(Q: Tensor, D: Tensor, q_mask, d_mask, normalize: bool, backward: str) -> Tensor:
-    """Canonical ``Q [Nq, Lq, dim]``, ``D [Bd, K, Ld, dim]`` -> ``[Nq, K]``."""
-    return ops.maxsim_canonical(Q, D, q_mask, d_mask, normalize, choose_impl(Q), _deterministic(backward))
+def _run(Q: Tensor, D: Tensor, q_mask, d_mask, normalize: bool, backward: str, return_argmax: bool = False):
+    """Canonical ``Q [Nq, Lq, dim]``, ``D [Bd, K, Ld, dim]`` -> ``[Nq, K]`` (and argmax ``[Nq, K, Lq]``)."""
+    impl = choose_impl(Q)
+    return ops.maxsim_canonical(Q, D, q_mask, d_mask, normalize, impl, _deterministic(backward), None, return_argmax)
 
 
 def maxsim(
@@ -33,7 +34,8 @@ def maxsim(
     *,
     normalize: bool = False,
     backward: str = "auto",
-) -> Tensor:
+    return_argmax: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Late-interaction scores ``Σ_i max_j <q_i, d_j>`` without materializing the similarity tensor.
 
     Shapes (``dim`` shared; fp32, fp16, bf16 or fp64; Q and D on one device with one dtype):
@@ -49,6 +51,8 @@ def maxsim(
         normalize: score L2-normalized tokens (``x / max(||x||, 1e-12)``), fused into the kernels.
         backward: ``"fast"`` (fp32 atomics in dD), ``"deterministic"`` (bitwise reproducible, no atomics) or
             ``"auto"`` (deterministic when ``torch.are_deterministic_algorithms_enabled()``, else fast).
+        return_argmax: also return the int32 argmax ``[..., Lq]`` (the score's shape plus the query tokens): the
+            winning document token per query token, -1 where the token is masked or sees no valid document token.
 
     Returns:
         float32 scores (float64 for float64 inputs). Ties in the max go to the lowest token index; a NaN among a
@@ -72,13 +76,32 @@ def maxsim(
             )
     q_mask = validate.mask("q_mask", q_mask, Q.shape[:-1], Q.device)
     d_mask = validate.mask("d_mask", d_mask, D.shape[:-1], Q.device)
+    validate.flag("return_argmax", return_argmax)
     Qc, Dc, qm, dm, squeeze_q, squeeze_d = canonical_dense(Q, D, q_mask, d_mask)
-    scores = _run(Qc, Dc, qm, dm, normalize, backward)
+    out = _run(Qc, Dc, qm, dm, normalize, backward, return_argmax)
+    scores, argmax = out if return_argmax else (out, None)
     if squeeze_d:
         scores = scores[:, 0]
+        argmax = None if argmax is None else argmax[:, 0]
     if squeeze_q:
         scores = scores[0]
-    return scores
+        argmax = None if argmax is None else argmax[0]
+    return (scores, argmax) if return_argmax else scores
+
+
+def maxsim_with_argmax(
+    Q: Tensor,
+    D: Tensor,
+    q_mask: Tensor | None = None,
+    d_mask: Tensor | None = None,
+    *,
+    normalize: bool = False,
+    backward: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    """:func:`maxsim` plus, per query token, the int32 index of its winning document token (-1 where none):
+    ``(scores, argmax [..., Lq])`` — e.g. ``[Nq, Nd, Lq]`` for the cross product. For alignment inspection and
+    visualization; the scores stay differentiable."""
+    return maxsim(Q, D, q_mask, d_mask, normalize=normalize, backward=backward, return_argmax=True)
 
 
 def maxsim_pairs(
@@ -89,10 +112,12 @@ def maxsim_pairs(
     *,
     normalize: bool = False,
     backward: str = "auto",
-) -> Tensor:
+    return_argmax: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Scores of aligned pairs: ``Q [B, Lq, dim]``, ``D [B, Ld, dim]`` -> ``[B]`` (query b against document b).
 
-    Masks: ``q_mask [B, Lq]``, ``d_mask [B, Ld]``; everything else as :func:`maxsim`.
+    Masks: ``q_mask [B, Lq]``, ``d_mask [B, Ld]``; everything else as :func:`maxsim` (``return_argmax`` adds the
+    int32 argmax ``[B, Lq]``).
     """
     validate.tensor("Q", Q, (3,))
     validate.tensor("D", D, (3,))
@@ -100,10 +125,12 @@ def maxsim_pairs(
     validate.flag("normalize", normalize)
     validate.backward_mode(backward)
     if D.shape[0] != Q.shape[0]:
-        raise ValueError(
-            f"D: expected as many documents as queries (B = {Q.shape[0]}), got shape {tuple(D.shape)}"
-        )
+        raise ValueError(f"D: expected as many documents as queries (B = {Q.shape[0]}), got shape {tuple(D.shape)}")
     q_mask = validate.mask("q_mask", q_mask, Q.shape[:-1], Q.device)
     d_mask = validate.mask("d_mask", d_mask, D.shape[:-1], Q.device)
+    validate.flag("return_argmax", return_argmax)
     Qc, Dc, qm, dm = canonical_pairs(Q, D, q_mask, d_mask)
-    return _run(Qc, Dc, qm, dm, normalize, backward)[:, 0]
+    out = _run(Qc, Dc, qm, dm, normalize, backward, return_argmax)
+    if return_argmax:
+        return out[0][:, 0], out[1][:, 0]
+    return out[:, 0]

@@ -11,6 +11,8 @@ no device syncs).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -50,3 +52,33 @@ def canonical_pairs(
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """``Q [B, Lq, dim]``, ``D [B, Ld, dim]`` as candidates with ``K = 1``."""
     return Q, D.unsqueeze(1), q_mask, None if d_mask is None else d_mask.unsqueeze(1)
+
+
+class Ragged(NamedTuple):
+    """Where ragged sequences live, on top of the canonical form (all tensors on the data's device):
+
+    * ``q_seg``: None (dense queries), offsets ``[Nq + 1]`` when ``Q`` is packed ``[rows, dim]``, or lengths
+      ``[Nq]`` when ``Q`` is ``[Nq, Lq, dim]``;
+    * ``d_seg``: None, offsets ``[Nd + 1]`` when ``D`` is packed, or lengths ``[Bd, K]`` when ``D`` is 4-D;
+    * ``pair_q``, ``pair_d``: ``[P]`` pair list (both packed), or None;
+    * ``max_q``, ``max_d``: the longest sequence (the argmax and the work are sized by these).
+    """
+
+    q_seg: Tensor | None
+    d_seg: Tensor | None
+    pair_q: Tensor | None
+    pair_d: Tensor | None
+    max_q: int
+    max_d: int
+
+
+def dims(Q: Tensor, D: Tensor, rg: Ragged | None) -> tuple[int, int, int, int, int, int]:
+    """``(Nq, Lq, Bd, K, Ld, dim)`` of the ``[Nq, K]`` score grid; a pair list is the grid ``[1, P]``."""
+    dim = Q.shape[-1]
+    if rg is None:
+        return Q.shape[0], Q.shape[1], D.shape[0], D.shape[1], D.shape[2], dim
+    Nq, Lq = (rg.q_seg.shape[0] - 1, rg.max_q) if Q.dim() == 2 else (Q.shape[0], Q.shape[1])
+    Bd, K, Ld = (1, rg.d_seg.shape[0] - 1, rg.max_d) if D.dim() == 2 else (D.shape[0], D.shape[1], D.shape[2])
+    if rg.pair_q is not None:
+        return 1, Lq, 1, rg.pair_q.shape[0], Ld, dim
+    return Nq, Lq, Bd, K, Ld, dim

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import cpu
-from .layout import accum_dtype
+from . import cpu, cpu_ragged
+from .layout import Ragged, accum_dtype, dims
 
 
 def _triton_path():
@@ -24,19 +24,46 @@ def _triton_path():
     return launch
 
 
+def ragged(
+    q_seg: Tensor | None, d_seg: Tensor | None, pair_q: Tensor | None, pair_d: Tensor | None, max_q: int, max_d: int
+) -> Ragged | None:
+    if q_seg is None and d_seg is None and pair_q is None:
+        return None
+    return Ragged(q_seg, d_seg, pair_q, pair_d, max_q, max_d)
+
+
 def forward_impl(
-    Q: Tensor, D: Tensor, q_mask: Tensor | None, d_mask: Tensor | None, normalize: bool, need_argmax: bool, impl: str
-) -> tuple[Tensor, Tensor]:
+    Q: Tensor,
+    D: Tensor,
+    q_mask: Tensor | None,
+    d_mask: Tensor | None,
+    normalize: bool,
+    need_argmax: bool,
+    impl: str,
+    rg: Ragged | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Scores and argmax (None or empty when not asked for) of the chosen implementation."""
     if impl == "triton":
-        return _triton_path().forward(Q, D, q_mask, d_mask, normalize, need_argmax)
+        return _triton_path().forward(Q, D, q_mask, d_mask, normalize, need_argmax, rg)
+    if rg is not None:
+        return cpu_ragged.forward(Q, D, normalize, need_argmax, rg)
     return cpu.forward(Q, D, q_mask, d_mask, normalize, need_argmax)
 
 
 def backward_impl(
-    grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, normalize: bool, deterministic: bool, impl: str
+    grad: Tensor,
+    Q: Tensor,
+    D: Tensor,
+    argmax: Tensor,
+    normalize: bool,
+    deterministic: bool,
+    impl: str,
+    rg: Ragged | None = None,
 ) -> tuple[Tensor, Tensor]:
     if impl == "triton":
-        return _triton_path().backward(grad, Q, D, argmax, normalize, deterministic)
+        return _triton_path().backward(grad, Q, D, argmax, normalize, deterministic, rg)
+    if rg is not None:
+        return cpu_ragged.backward(grad, Q, D, argmax, normalize, deterministic, rg)
     return cpu.backward(grad, Q, D, argmax, normalize, deterministic)
 
 
@@ -50,19 +77,31 @@ def forward(
     need_argmax: bool,
     impl: str,
     deterministic: bool = False,
+    q_seg: Tensor | None = None,
+    d_seg: Tensor | None = None,
+    pair_q: Tensor | None = None,
+    pair_d: Tensor | None = None,
+    max_q: int = 0,
+    max_d: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Scores ``[Nq, K]`` (fp32; fp64 for fp64 inputs) and argmax ``[Nq, K, Lq]`` int32 (``[0]`` if not asked).
 
     ``Q [Nq, Lq, dim]``, ``D [Bd, K, Ld, dim]`` (``Bd`` = 1 or ``Nq``), ``q_mask [Nq, Lq]``, ``d_mask [Bd, K, Ld]``.
-    ``deterministic`` only matters to the backward (it is recorded here for autograd).
+    Ragged layouts (:class:`maxsim.layout.Ragged`): ``q_seg``/``d_seg`` offsets for packed ``[rows, dim]`` tokens
+    or lengths for padded ones, an optional pair list (scores ``[1, P]``), and the longest lengths ``max_q``,
+    ``max_d``. ``deterministic`` only matters to the backward (it is recorded here for autograd).
     """
-    return forward_impl(Q, D, q_mask, d_mask, normalize, need_argmax, impl)
+    rg = ragged(q_seg, d_seg, pair_q, pair_d, max_q, max_d)
+    scores, argmax = forward_impl(Q, D, q_mask, d_mask, normalize, need_argmax, impl, rg)
+    return scores, (scores.new_empty((0,), dtype=torch.int32) if argmax is None else argmax)
 
 
 @forward.register_fake
-def _forward_fake(Q, D, q_mask, d_mask, normalize, need_argmax, impl, deterministic=False):
-    Nq, Lq, _ = Q.shape
-    K = D.shape[1]
+def _forward_fake(
+    Q, D, q_mask, d_mask, normalize, need_argmax, impl, deterministic=False, q_seg=None, d_seg=None, pair_q=None,
+    pair_d=None, max_q=0, max_d=0,
+):  # fmt: skip
+    Nq, Lq, _, K, _, _ = dims(Q, D, ragged(q_seg, d_seg, pair_q, pair_d, max_q, max_d))
     scores = Q.new_empty((Nq, K), dtype=accum_dtype(Q.dtype))
     argmax = Q.new_empty((Nq, K, Lq) if need_argmax else (0,), dtype=torch.int32)
     return scores, argmax
@@ -77,35 +116,54 @@ def backward(
     normalize: bool,
     deterministic: bool,
     impl: str,
+    q_seg: Tensor | None = None,
+    d_seg: Tensor | None = None,
+    pair_q: Tensor | None = None,
+    pair_d: Tensor | None = None,
+    max_q: int = 0,
+    max_d: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """``(dQ like Q, dD like D)`` from ``grad [Nq, K]`` and the forward's ``argmax [Nq, K, Lq]``."""
-    return backward_impl(grad, Q, D, argmax, normalize, deterministic, impl)
+    rg = ragged(q_seg, d_seg, pair_q, pair_d, max_q, max_d)
+    return backward_impl(grad, Q, D, argmax, normalize, deterministic, impl, rg)
 
 
 @backward.register_fake
-def _backward_fake(grad, Q, D, argmax, normalize, deterministic, impl):
+def _backward_fake(
+    grad, Q, D, argmax, normalize, deterministic, impl, q_seg=None, d_seg=None, pair_q=None, pair_d=None, max_q=0,
+    max_d=0,
+):  # fmt: skip
     return Q.new_empty(Q.shape), D.new_empty(D.shape)
+
+
+_N_FORWARD_ARGS = 14
 
 
 def _setup_context(ctx, inputs, output) -> None:
     Q, D, _q_mask, _d_mask, normalize, need_argmax, impl, *rest = inputs
+    rest = rest + [False, None, None, None, None, 0, 0][len(rest) :]
+    deterministic, q_seg, d_seg, pair_q, pair_d, max_q, max_d = rest
     _scores, argmax = output
-    ctx.save_for_backward(Q, D, argmax)
+    ctx.save_for_backward(Q, D, argmax, q_seg, d_seg, pair_q, pair_d)
     ctx.normalize = normalize
     ctx.need_argmax = need_argmax
     ctx.impl = impl
-    ctx.deterministic = bool(rest[0]) if rest else False
+    ctx.deterministic = bool(deterministic)
+    ctx.max_lengths = (max_q, max_d)
 
 
 def _backward(ctx, grad_scores: Tensor, _grad_argmax: Tensor | None):
-    Q, D, argmax = ctx.saved_tensors
+    Q, D, argmax, q_seg, d_seg, pair_q, pair_d = ctx.saved_tensors
     if not ctx.need_argmax:
         raise RuntimeError(
             "maxsim: backward through a forward that was called with need_argmax=False; the public functions set it "
             "whenever an input requires grad"
         )
-    dQ, dD = backward(grad_scores, Q, D, argmax, ctx.normalize, ctx.deterministic, ctx.impl)
-    return dQ, dD, None, None, None, None, None, None
+    dQ, dD = backward(
+        grad_scores, Q, D, argmax, ctx.normalize, ctx.deterministic, ctx.impl, q_seg, d_seg, pair_q, pair_d,
+        *ctx.max_lengths,
+    )  # fmt: skip
+    return (dQ, dD) + (None,) * (_N_FORWARD_ARGS - 2)
 
 
 torch.library.register_autograd("maxsim::forward", _backward, setup_context=_setup_context)
@@ -115,17 +173,18 @@ class _MaxSimFunction(torch.autograd.Function):
     """Eager twin of ``maxsim::forward`` + its registered autograd (same implementation functions)."""
 
     @staticmethod
-    def forward(ctx, Q, D, q_mask, d_mask, normalize, impl, deterministic):
-        scores, argmax = forward_impl(Q, D, q_mask, d_mask, normalize, True, impl)
+    def forward(ctx, Q, D, q_mask, d_mask, normalize, impl, deterministic, rg):
+        scores, argmax = forward_impl(Q, D, q_mask, d_mask, normalize, True, impl, rg)
         ctx.save_for_backward(Q, D, argmax)
-        ctx.normalize, ctx.impl, ctx.deterministic = normalize, impl, deterministic
-        return scores
+        ctx.normalize, ctx.impl, ctx.deterministic, ctx.rg = normalize, impl, deterministic, rg
+        ctx.mark_non_differentiable(argmax)
+        return scores, argmax
 
     @staticmethod
-    def backward(ctx, grad_scores):
+    def backward(ctx, grad_scores, _grad_argmax):
         Q, D, argmax = ctx.saved_tensors
-        dQ, dD = backward_impl(grad_scores, Q, D, argmax, ctx.normalize, ctx.deterministic, ctx.impl)
-        return dQ, dD, None, None, None, None, None
+        dQ, dD = backward_impl(grad_scores, Q, D, argmax, ctx.normalize, ctx.deterministic, ctx.impl, ctx.rg)
+        return dQ, dD, None, None, None, None, None, None
 
 
 def maxsim_canonical(
@@ -136,11 +195,18 @@ def maxsim_canonical(
     normalize: bool,
     impl: str,
     deterministic: bool,
-) -> Tensor:
-    """Scores ``[Nq, K]`` of canonical inputs, differentiable; the argmax is computed only when a grad is needed."""
-    need_argmax = torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)
+    rg: Ragged | None = None,
+    return_argmax: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Scores ``[Nq, K]`` of canonical inputs, differentiable (and, if asked, the argmax ``[Nq, K, Lq]`` int32);
+    the argmax is computed only when a gradient needs it or it is asked for."""
+    need_grad = torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)
+    need_argmax = need_grad or return_argmax
     if torch.compiler.is_compiling():
-        return forward(Q, D, q_mask, d_mask, normalize, need_argmax, impl, deterministic)[0]
-    if need_argmax:
-        return _MaxSimFunction.apply(Q, D, q_mask, d_mask, normalize, impl, deterministic)
-    return forward_impl(Q, D, q_mask, d_mask, normalize, False, impl)[0]
+        r = () if rg is None else tuple(rg)
+        out = forward(Q, D, q_mask, d_mask, normalize, need_argmax, impl, deterministic, *r)
+    elif need_grad:
+        out = _MaxSimFunction.apply(Q, D, q_mask, d_mask, normalize, impl, deterministic, rg)
+    else:
+        out = forward_impl(Q, D, q_mask, d_mask, normalize, need_argmax, impl, rg)
+    return out if return_argmax else out[0]

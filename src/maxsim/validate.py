@@ -67,3 +67,43 @@ def flag(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
     return value
+
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def index_tensor(name: str, x: object, ndim: int, device: torch.device) -> Tensor:
+    """An int32/int64 tensor of rank ``ndim`` on ``device`` (offsets, lengths, pair ids)."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name}: expected an int32 or int64 torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name}: expected dtype torch.int32 or torch.int64, got {x.dtype}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D tensor, got {x.dim()}-D with shape {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name}: expected device {device} (as Q), got {x.device}")
+    return x
+
+
+def offsets(name: str, x: object, device: torch.device) -> Tensor:
+    """``cu_seqlens``-style offsets: 1-D int, at least one entry (``[N + 1]``)."""
+    x = index_tensor(name, x, 1, device)
+    if x.shape[0] == 0:
+        raise ValueError(f"{name}: expected N + 1 >= 1 offsets (starting with 0), got an empty tensor")
+    return x
+
+
+def max_length(name: str, value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int or None, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name}: expected a non-negative int, got {value}")
+    return value
+
+
+def optional_flag(name: str, value: object) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool or None, got {type(value).__name__}")
+    return value

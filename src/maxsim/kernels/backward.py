@@ -2,7 +2,7 @@
 
 With ``a = argmax[q, k, t]`` and ``g = grad[q, k]``:
 
-    dQ[q, t]        += g · D[doc(q, k), a]       (gather: one program per query-token block, summing over k)
+    dQ[q, t]        += g · D[doc(q, k), a]       (gather: one program per query-token block, summing over its pairs)
     dD[doc(q,k), a] += g · Q[q, t]               (scatter)
 
 The scatter comes in two flavours sharing the same inputs:
@@ -12,8 +12,11 @@ The scatter comes in two flavours sharing the same inputs:
   that scored that document in a fixed order, selecting their tokens with a one-hot MMA
   (``onehot[BN, TQ] @ Q[TQ, dim]``), so the sum order never changes and no atomics are used.
 
-With ``normalize=True`` the kernels produce gradients w.r.t. the normalized tokens (they scale by the saved-free
-inverse norms); the per-token projection back to the raw tokens happens once per token afterwards.
+Layouts are resolved by :mod:`.segments` exactly as in the forward. A pair list (``PAIR_LIST``) walks its pairs
+through two CSR indexes built on the device (pairs sorted by query for dQ, by document for dD).
+
+With ``normalize=True`` the kernels produce gradients w.r.t. the normalized tokens (they scale by the inverse norms,
+per-token arrays); the per-token projection back to the raw tokens happens once per token afterwards.
 
 Sizes are not specialized (no recompile for new shapes); strides are, so that loads stay 16 bytes wide.
 """
@@ -23,117 +26,168 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .segments import OFFSETS, doc_segment, query_segment
 
-@triton.jit(do_not_specialize=["Nq", "K", "Lq", "si_b", "si_k", "n_tb"])
+
+@triton.jit
+def _pair(q, e, K, PERM, PD, PAIR_LIST: tl.constexpr):
+    """``(pair id, document)`` of entry ``e`` of query ``q``'s pairs."""
+    if PAIR_LIST:
+        p = tl.load(PERM + e).to(tl.int64)
+        return p, tl.load(PD + p).to(tl.int64)
+    else:
+        return q * K + e, q * 0 + e
+
+
+@triton.jit(
+    do_not_specialize=[
+        "Nq", "K", "Lq", "Ld", "n_qseq", "n_qrows", "n_dseq", "n_drows", "sqs", "sds_b", "sds_k", "n_tb",
+    ]
+)  # fmt: skip
 def maxsim_bwd_dq_kernel(
-    G, ARG, D, INV_D, DQ,
-    Nq, K, Lq, dim,
+    G, ARG, D, INV_D, DQ, QSEG, DSEG, PD, QOFF, QPERM,
+    Nq, K, Lq, Ld, dim,
+    n_qseq, n_qrows, n_dseq, n_drows,
     sd_b, sd_k, sd_l,
-    si_b, si_k,
+    sdq_n, sdq_l,
+    sqs, sds_b, sds_k,
     n_tb,
-    BT: tl.constexpr, DIM_P: tl.constexpr, NORMALIZE: tl.constexpr,
+    BT: tl.constexpr, DIM_P: tl.constexpr,
+    Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr, SHARED_DOCS: tl.constexpr,
+    NORMALIZE: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     q = (pid // n_tb).to(tl.int64)
     t = (pid % n_tb) * BT + tl.arange(0, BT)
-    t_ok = t < Lq
+    # DQ has Q's layout: its row pointer comes from the same segment description (with DQ's strides).
+    dq_base, _dq_tok0, q_len, _q_bad = query_segment(DQ, QSEG, q, q >= 0, Lq, n_qseq, n_qrows, sdq_n, sdq_l, sqs, Q_KIND)
+    t_ok = t < q_len
     kd = tl.arange(0, DIM_P)
     kd_ok = kd < dim
     acc = tl.zeros([BT, DIM_P], dtype=tl.float32)
-    # Pointers advance by one document per step (64-bit pointer arithmetic: no int32 offset overflow).
-    arg_ptr = ARG + q * K * Lq + t
-    g_ptr = G + q * K
-    d_ptr = D + q * sd_b
-    inv_ptr = INV_D + q * si_b
-    for _ in range(0, K):
-        a = tl.load(arg_ptr, mask=t_ok, other=-1)
+    if PAIR_LIST:
+        e_lo = tl.load(QOFF + q).to(tl.int64)
+        e_hi = tl.load(QOFF + q + 1).to(tl.int64)
+    else:
+        e_lo = q * 0
+        e_hi = q * 0 + K
+    b = q * 0 if SHARED_DOCS else q
+    for e in range(e_lo, e_hi):
+        p, doc = _pair(q, e, K, QPERM, PD, PAIR_LIST)
+        d_base, d_tok0, _d_len, _d_bad = doc_segment(
+            D, DSEG, b, doc, K, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, D_KIND
+        )
+        a = tl.load(ARG + p * Lq + t, mask=t_ok, other=-1)
         hit = a >= 0
-        w = tl.load(g_ptr) + tl.zeros([BT], dtype=tl.float32)
+        w = tl.load(G + p) + tl.zeros([BT], dtype=tl.float32)
         if NORMALIZE:
-            w = w * tl.load(inv_ptr + a, mask=hit, other=0.0)
-        rows = tl.load(d_ptr + a[:, None] * sd_l + kd[None, :], mask=hit[:, None] & kd_ok[None, :], other=0.0)
+            w = w * tl.load(INV_D + d_tok0 + a, mask=hit, other=0.0)
+        rows = tl.load(d_base + a[:, None] * sd_l + kd[None, :], mask=hit[:, None] & kd_ok[None, :], other=0.0)
         acc += rows.to(tl.float32) * w[:, None]
-        arg_ptr += Lq
-        g_ptr += 1
-        d_ptr += sd_k
-        inv_ptr += si_k
-    out = DQ + (q * Lq + t[:, None]) * dim + kd[None, :]
-    tl.store(out, acc.to(DQ.dtype.element_ty), mask=t_ok[:, None] & kd_ok[None, :])
+    # Padded rows (past a query's length, inside its padding) are written too: their gradient is zero.
+    t_store = t_ok if Q_KIND == OFFSETS else t < Lq
+    out = dq_base + t[:, None] * sdq_l + kd[None, :]
+    tl.store(out, acc.to(DQ.dtype.element_ty), mask=t_store[:, None] & kd_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["K", "Lq", "n_tb"])
+@triton.jit(
+    do_not_specialize=[
+        "Nq", "K", "Lq", "Ld", "n_qseq", "n_qrows", "n_dseq", "n_drows", "sqs", "sds_b", "sds_k", "n_tb",
+    ]
+)  # fmt: skip
 def maxsim_bwd_dd_scatter_kernel(
-    G, ARG, Q, INV_Q, GD,
-    K, Lq, dim,
+    G, ARG, Q, INV_Q, GD, QSEG, DSEG,
+    Nq, K, Lq, Ld, dim,
+    n_qseq, n_qrows, n_dseq, n_drows,
     sq_n, sq_l,
     sgd_b, sgd_k, sgd_l,
+    sqs, sds_b, sds_k,
     n_tb,
-    BT: tl.constexpr, DIM_P: tl.constexpr, NORMALIZE: tl.constexpr,
+    BT: tl.constexpr, DIM_P: tl.constexpr,
+    Q_KIND: tl.constexpr, D_KIND: tl.constexpr, SHARED_DOCS: tl.constexpr, NORMALIZE: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     pair = (pid // n_tb).to(tl.int64)
     q = pair // K
     kk = pair % K
+    b = q * 0 if SHARED_DOCS else q
     t = (pid % n_tb) * BT + tl.arange(0, BT)
-    t_ok = t < Lq
+    q_base, q_tok0, q_len, _q_bad = query_segment(Q, QSEG, q, q >= 0, Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, Q_KIND)
+    gd_base, _gd_tok0, _d_len, _d_bad = doc_segment(GD, DSEG, b, kk, K, Ld, n_dseq, n_drows, sgd_b, sgd_k, sgd_l, sds_b, sds_k, D_KIND)
+    t_ok = t < q_len
     kd = tl.arange(0, DIM_P)
     kd_ok = kd < dim
     a = tl.load(ARG + pair * Lq + t, mask=t_ok, other=-1)
     hit = a >= 0
     w = tl.load(G + pair) + tl.zeros([BT], dtype=tl.float32)
     if NORMALIZE:
-        w = w * tl.load(INV_Q + q * Lq + t, mask=t_ok, other=0.0)
+        w = w * tl.load(INV_Q + q_tok0 + t, mask=t_ok, other=0.0)
     mask = hit[:, None] & kd_ok[None, :]
-    rows = tl.load(Q + q * sq_n + t[:, None] * sq_l + kd[None, :], mask=mask, other=0.0)
+    rows = tl.load(q_base + t[:, None] * sq_l + kd[None, :], mask=mask, other=0.0)
     tl.atomic_add(
-        GD + q * sgd_b + kk * sgd_k + a[:, None] * sgd_l + kd[None, :],
-        rows.to(tl.float32) * w[:, None],
-        mask=mask,
-        sem="relaxed",
+        gd_base + a[:, None] * sgd_l + kd[None, :], rows.to(tl.float32) * w[:, None], mask=mask, sem="relaxed"
     )
 
 
-@triton.jit(do_not_specialize=["Nq", "K", "Lq", "Ld", "n_jb", "n_kb"])
+@triton.jit(
+    do_not_specialize=[
+        "Nq", "K", "Lq", "Ld", "n_qseq", "n_qrows", "n_dseq", "n_drows", "sqs", "sds_b", "sds_k", "n_jb", "n_kb",
+    ]
+)  # fmt: skip
 def maxsim_bwd_dd_owned_kernel(
-    G, ARG, Q, INV_Q, GD,
+    G, ARG, Q, INV_Q, GD, QSEG, DSEG, PQ, DOFF, DPERM,
     Nq, K, Lq, Ld, dim,
+    n_qseq, n_qrows, n_dseq, n_drows,
     sq_n, sq_l,
     sgd_b, sgd_k, sgd_l,
+    sqs, sds_b, sds_k,
     n_jb, n_kb,
     TQ: tl.constexpr, BN: tl.constexpr, BLOCK_K: tl.constexpr,
-    SHARED_DOCS: tl.constexpr, NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr, SHARED_DOCS: tl.constexpr,
+    NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     kb = pid % n_kb
-    jb = (pid // n_kb) % n_jb
+    jb = (pid // (n_kb)) % n_jb
     doc = (pid // (n_kb * n_jb)).to(tl.int64)
     b = doc // K
     kk = doc % K
-    if SHARED_DOCS:
-        q_lo = b * 0
-        q_hi = Nq
+    # Which pairs scored this document: every query (shared documents), its one query (per-query candidates), or
+    # the pairs listed for it (pair list, CSR by document).
+    if PAIR_LIST:
+        e_lo = tl.load(DOFF + kk).to(tl.int64)
+        e_hi = tl.load(DOFF + kk + 1).to(tl.int64)
+    elif SHARED_DOCS:
+        e_lo = b * 0
+        e_hi = b * 0 + Nq
     else:
-        q_lo = b
-        q_hi = b + 1
+        e_lo = b
+        e_hi = b + 1
+    gd_base, _gd_tok0, d_len, _d_bad = doc_segment(
+        GD, DSEG, b, kk, K, Ld, n_dseq, n_drows, sgd_b, sgd_k, sgd_l, sds_b, sds_k, D_KIND
+    )
     j = jb * BN + tl.arange(0, BN)
     kd = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     kd_ok = kd < dim
     acc = tl.zeros([BN, BLOCK_K], dtype=tl.float32)
-    arg_q = ARG + (q_lo * K + kk) * Lq
-    g_q = G + q_lo * K + kk
-    q_rows = Q + q_lo * sq_n
-    inv_q = INV_Q + q_lo * Lq
-    for _ in range(q_lo, q_hi):
-        g = tl.load(g_q)
-        for t0 in range(0, Lq, TQ):
+    for e in range(e_lo, e_hi):
+        if PAIR_LIST:
+            p = tl.load(DPERM + e).to(tl.int64)
+            q = tl.load(PQ + p).to(tl.int64)
+        else:
+            q = e
+            p = e * K + kk
+        q_base, q_tok0, q_len, _q_bad = query_segment(Q, QSEG, q, q >= 0, Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, Q_KIND)
+        g = tl.load(G + p)
+        for t0 in range(0, q_len, TQ):
             t = t0 + tl.arange(0, TQ)
-            t_ok = t < Lq
-            a = tl.load(arg_q + t, mask=t_ok, other=-1)
+            t_ok = t < q_len
+            a = tl.load(ARG + p * Lq + t, mask=t_ok, other=-1)
             hit = a[None, :] == j[:, None]  # [BN, TQ]; a == -1 never matches
             # Unchosen tokens are not loaded: a masked query token may hold NaN, and 0 * NaN is NaN in the MMA.
-            qt = tl.load(q_rows + t[:, None] * sq_l + kd[None, :], mask=(a >= 0)[:, None] & kd_ok[None, :], other=0.0)
+            qt = tl.load(q_base + t[:, None] * sq_l + kd[None, :], mask=(a >= 0)[:, None] & kd_ok[None, :], other=0.0)
             if NORMALIZE:
-                w = g * tl.load(inv_q + t, mask=t_ok, other=0.0)
+                w = g * tl.load(INV_Q + q_tok0 + t, mask=t_ok, other=0.0)
                 sel = tl.where(hit, w[None, :], 0.0)
                 acc += tl.dot(sel, qt.to(tl.float32), input_precision="ieee")
             else:
@@ -141,9 +195,6 @@ def maxsim_bwd_dd_owned_kernel(
                     qt = qt.to(tl.float32)
                 # A 0/1 selector is exact in any dtype, so the MMA returns the chosen rows exactly.
                 acc += g * tl.dot(hit.to(qt.dtype), qt, input_precision=DOT_PRECISION)
-        arg_q += K * Lq
-        g_q += K
-        q_rows += sq_n
-        inv_q += Lq
-    out = GD + b * sgd_b + kk * sgd_k + j[:, None] * sgd_l + kd[None, :]
-    tl.store(out, acc.to(GD.dtype.element_ty), mask=(j[:, None] < Ld) & kd_ok[None, :])
+    j_store = j < d_len if D_KIND == OFFSETS else j < Ld  # padding rows get their (zero) gradient too
+    out = gd_base + j[:, None] * sgd_l + kd[None, :]
+    tl.store(out, acc.to(GD.dtype.element_ty), mask=j_store[:, None] & kd_ok[None, :])

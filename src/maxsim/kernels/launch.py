@@ -1,25 +1,30 @@
 """Python side of the Triton path: the same two functions as :mod:`maxsim.cpu`, launching the kernels.
 
 Inputs are the canonical layout (:mod:`maxsim.layout`), already validated. Nothing here reads a tensor's values on
-the host: grids and variants come from shapes only, so calls are free of host↔device syncs and CUDA-graph capturable.
+the host: grids and variants come from shapes and the caller's maximum lengths only, so calls are free of
+host↔device syncs and CUDA-graph capturable.
 """
 
 from __future__ import annotations
 
-import os
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from ..cpu import project_normalized_grad
-from ..layout import NORM_EPS
+from ..layout import NORM_EPS, Ragged, dims
 from .backward import maxsim_bwd_dd_owned_kernel, maxsim_bwd_dd_scatter_kernel, maxsim_bwd_dq_kernel
 from .configs import ForwardConfig, backward_config, forward_config
 from .forward import maxsim_fwd_kernel
+from .launcher import INTERPRETER, Launcher
 
-INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-"""Kernels run on CPU tensors under Triton's interpreter (CI). Its bf16 ``tl.dot`` is wrong, so operands are
-upcast there — and only there."""
+_fwd = Launcher(maxsim_fwd_kernel)
+_bwd_dq = Launcher(maxsim_bwd_dq_kernel)
+_bwd_dd_scatter = Launcher(maxsim_bwd_dd_scatter_kernel)
+_bwd_dd_owned = Launcher(maxsim_bwd_dd_owned_kernel)
+
+DENSE, OFFSETS, LENGTHS = 0, 1, 2  # segment kinds, as in kernels/segments.py
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -30,6 +35,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _upcast(dtype: torch.dtype) -> bool:
+    """Triton's interpreter gets bf16 ``tl.dot`` wrong (design.md §5): operands are upcast there, and only there."""
     return INTERPRETER and dtype != torch.float32
 
 
@@ -37,11 +43,62 @@ def _last_dim_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _mask_u8(mask: Tensor | None, like: Tensor) -> tuple[Tensor, tuple[int, ...]]:
-    """A bool mask viewed as uint8 (no copy) and its strides; a dummy pointer when absent."""
-    if mask is None:
-        return like, (0,) * 3
-    return mask.view(torch.uint8), mask.stride()
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _Segs(NamedTuple):
+    """Kernel-facing view of a :class:`~maxsim.layout.Ragged` description: kinds, pointers, counts, strides
+    (absent pointers are a dummy tensor; they are never read)."""
+
+    q_kind: int
+    d_kind: int
+    pairs: bool
+    qseg: Tensor
+    dseg: Tensor
+    pq: Tensor
+    pd: Tensor
+    n_q: int  # packed queries: number of sequences and of token rows
+    rows_q: int
+    n_d: int
+    rows_d: int
+    sqs: int  # stride of query lengths
+    sds_b: int  # strides of document lengths
+    sds_k: int
+
+
+def _segs(Q: Tensor, D: Tensor, rg: Ragged | None) -> _Segs:
+    if rg is None:
+        return _Segs(DENSE, DENSE, False, Q, Q, Q, Q, 0, 0, 0, 0, 0, 0, 0)
+    pairs = rg.pair_q is not None
+    if rg.q_seg is None:
+        q = (DENSE, Q, 0, 0, 0)
+    elif Q.dim() == 2:
+        q = (OFFSETS, rg.q_seg, rg.q_seg.shape[0] - 1, Q.shape[0], 0)
+    else:
+        q = (LENGTHS, rg.q_seg, 0, 0, rg.q_seg.stride(0))
+    if rg.d_seg is None:
+        d = (DENSE, Q, 0, 0, 0, 0)
+    elif D.dim() == 2:
+        d = (OFFSETS, rg.d_seg, rg.d_seg.shape[0] - 1, D.shape[0], 0, 0)
+    else:
+        d = (LENGTHS, rg.d_seg, 0, 0, *rg.d_seg.stride())
+    return _Segs(
+        q[0], d[0], pairs, q[1], d[1], rg.pair_q if pairs else Q, rg.pair_d if pairs else Q,
+        q[2], q[3], d[2], d[3], q[4], d[4], d[5],
+    )  # fmt: skip
+
+
+def _q_strides(x: Tensor) -> tuple[int, int]:
+    """(sequence stride, token stride) of a dense ``[N, L, dim]`` or packed ``[rows, dim]`` token tensor."""
+    return (0, x.stride(0)) if x.dim() == 2 else (x.stride(0), x.stride(1))
+
+
+def _d_strides(x: Tensor, shared: bool) -> tuple[int, int, int]:
+    """(batch, document, token) strides of a dense ``[Bd, K, Ld, dim]`` or packed ``[rows, dim]`` tensor."""
+    if x.dim() == 2:
+        return 0, 0, x.stride(0)
+    return (0 if shared else x.stride(0)), x.stride(1), x.stride(2)
 
 
 def forward(
@@ -51,56 +108,71 @@ def forward(
     d_mask: Tensor | None,
     normalize: bool,
     need_argmax: bool,
+    rg: Ragged | None = None,
     cfg: ForwardConfig | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Scores ``[Nq, K]`` fp32 and argmax ``[Nq, K, Lq]`` int32 (or an empty int32 tensor).
+) -> tuple[Tensor, Tensor | None]:
+    """Scores ``[Nq, K]`` fp32 and argmax ``[Nq, K, Lq]`` int32 (None unless ``need_argmax``).
 
-    ``cfg`` overrides the launch table (offline tuning only)."""
-    Nq, Lq, dim = Q.shape
-    Bd, K, Ld, _ = D.shape
-    scores = torch.empty((Nq, K), dtype=torch.float32, device=Q.device)
-    argmax = torch.empty((Nq, K, Lq) if need_argmax else (0,), dtype=torch.int32, device=Q.device)
-    if scores.numel() == 0:
+    A pair list gives ``[1, P]`` and ``[1, P, Lq]``. ``cfg`` overrides the launch table (offline tuning only)."""
+    Nq, Lq, Bd, K, Ld, dim = dims(Q, D, rg)
+    device = Q.device
+    scores = torch.empty((Nq, K), dtype=torch.float32, device=device)
+    # No argmax tensor at all when none is asked for (the registered op substitutes an empty one).
+    argmax = torch.empty((Nq, K, Lq), dtype=torch.int32, device=device) if need_argmax else None
+    if Nq == 0 or K == 0:
         return scores, argmax
     if Lq == 0 or Ld == 0:
-        return scores.zero_(), argmax.fill_(-1)
+        return scores.zero_(), (None if argmax is None else argmax.fill_(-1))
     Q, D = _last_dim_contiguous(Q), _last_dim_contiguous(D)
-    shared = Bd == 1
+    sg = _segs(Q, D, rg)
+    shared = Bd == 1 and not sg.pairs
     cfg = cfg or forward_config(Lq, dim, Nq, shared, need_argmax)
-    qm, sqm = _mask_u8(q_mask, Q)
-    dm, sdm = _mask_u8(d_mask, Q)
+    qm = Q if q_mask is None else q_mask.view(torch.uint8)
+    dm = Q if d_mask is None else d_mask.view(torch.uint8)
+    sqm = (0, 0) if q_mask is None else q_mask.stride()
+    sdm = (0, 0, 0) if d_mask is None else ((0 if shared else d_mask.stride(0)),) + d_mask.stride()[1:]
     n_qblocks = triton_cdiv(Nq, cfg.BQ)
     # Queries longer than one row block: one program per row block (more programs, shorter ones), partial scores
     # summed afterwards in a fixed order.
     n_rsplit = triton_cdiv(Lq, cfg.TQ) if (cfg.BQ == 1 and cfg.SPLIT_ROWS) else 1
     rows_per_prog = cfg.TQ if n_rsplit > 1 else Lq
-    out = scores if n_rsplit == 1 else torch.empty((n_rsplit, Nq, K), dtype=torch.float32, device=Q.device)
-    maxsim_fwd_kernel[(n_qblocks * n_rsplit * K,)](
-        Q, D, qm, dm, out, argmax,
-        Nq, K, Lq, Ld, dim,
-        Q.stride(0), Q.stride(1),
-        0 if shared else D.stride(0), D.stride(1), D.stride(2),
-        sqm[0], sqm[1],
-        0 if shared else sdm[0], sdm[1], sdm[2],
-        n_qblocks, n_rsplit, rows_per_prog,
-        TQ=cfg.TQ, BQ=cfg.BQ, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, NUM_K=cfg.NUM_K,
-        HAS_QMASK=q_mask is not None, HAS_DMASK=d_mask is not None, NORMALIZE=normalize,
-        SAVE_ARGMAX=need_argmax, DOT_PRECISION=_dot_precision(Q.dtype), UPCAST=_upcast(Q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    out = scores if n_rsplit == 1 else torch.empty((n_rsplit, Nq, K), dtype=torch.float32, device=device)
+    _fwd(
+        n_qblocks * n_rsplit * K,
+        (Q, D, qm, dm, sg.qseg, sg.dseg, sg.pq, sg.pd, out, scores if argmax is None else argmax),
+        (
+            Nq, K, Lq, Ld, dim,
+            sg.n_q, sg.rows_q, sg.n_d, sg.rows_d,
+            *_q_strides(Q), *_d_strides(D, shared), *sqm, *sdm,
+            sg.sqs, sg.sds_b, sg.sds_k,
+            n_qblocks, n_rsplit, rows_per_prog,
+        ),
+        dict(
+            TQ=cfg.TQ, BQ=cfg.BQ, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, NUM_K=cfg.NUM_K,
+            Q_KIND=sg.q_kind, D_KIND=sg.d_kind, PAIR_LIST=sg.pairs,
+            HAS_QMASK=q_mask is not None, HAS_DMASK=d_mask is not None, NORMALIZE=normalize,
+            SAVE_ARGMAX=need_argmax, DOT_PRECISION=_dot_precision(Q.dtype), UPCAST=_upcast(Q.dtype),
+        ),
+        cfg.num_warps,
+        cfg.num_stages,
     )  # fmt: skip
     if n_rsplit > 1:
         torch.sum(out, dim=0, out=scores)
     return scores, argmax
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _normalized_parts(x: Tensor) -> tuple[Tensor, Tensor]:
+def _inverse_norms(x: Tensor) -> tuple[Tensor, Tensor]:
     """``(||x|| fp32 [...], 1/max(||x||, eps) fp32 [...])`` per token: one pass, once per token (not per pair)."""
     norm = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)
     return norm, 1.0 / norm.clamp_min(NORM_EPS)
+
+
+def csr(ids: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """Group pair indices by ``ids`` (values in ``[0, n)``) without a host sync: ``(offsets [n + 1], order [P])``;
+    group ``i`` is ``order[offsets[i]:offsets[i + 1]]``, in increasing pair order (stable sort)."""
+    order = torch.argsort(ids, stable=True)
+    bounds = torch.arange(n + 1, device=ids.device, dtype=ids.dtype)
+    return torch.searchsorted(ids[order], bounds), order
 
 
 def backward(
@@ -110,67 +182,83 @@ def backward(
     argmax: Tensor,
     normalize: bool,
     deterministic: bool,
+    rg: Ragged | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(dQ like Q, dD like D)`` from the saved argmax; ``deterministic`` forbids atomics (bitwise reproducible)."""
-    Nq, Lq, dim = Q.shape
-    Bd, K, Ld, _ = D.shape
-    shared = Bd == 1
+    Nq, Lq, Bd, K, Ld, dim = dims(Q, D, rg)
     if Nq == 0 or K == 0 or Lq == 0 or Ld == 0:
         return torch.zeros_like(Q), torch.zeros_like(D)
     Q, D = _last_dim_contiguous(Q), _last_dim_contiguous(D)
+    sg = _segs(Q, D, rg)
+    shared = Bd == 1 and not sg.pairs
     grad = grad.to(torch.float32).contiguous()
     cfg = backward_config(Lq, dim)
     if normalize:
-        norm_q, inv_q = _normalized_parts(Q)
-        norm_d, inv_d = _normalized_parts(D)
+        norm_q, inv_q = _inverse_norms(Q)
+        norm_d, inv_d = _inverse_norms(D)
     else:
         inv_q = inv_d = grad  # unused pointers
+    n_queries = sg.n_q if sg.q_kind == OFFSETS else Q.shape[0]
+    n_docs = sg.n_d if sg.d_kind == OFFSETS else K
+    if sg.pairs:
+        q_off, q_order = csr(rg.pair_q, n_queries)
+        d_off, d_order = csr(rg.pair_d, n_docs)
+    else:
+        q_off = q_order = d_off = d_order = grad  # unused pointers
+    seg_args = (sg.n_q, sg.rows_q, sg.n_d, sg.rows_d)
+    seg_strides = (sg.sqs, sg.sds_b, sg.sds_k)
+    kinds = dict(Q_KIND=sg.q_kind, D_KIND=sg.d_kind)
 
-    # dQ: gather, one program per (query, token block), summing over its documents in order (deterministic).
-    # It is written straight in Q's dtype (fp32 when a normalize projection follows); splitting the documents
-    # over more programs would need a partial-sum buffer of another dtype, i.e. a second variant compiled at a
+    # dQ: gather, one program per (query, token block), summing over its pairs in order (deterministic).
+    # It is written straight in Q's dtype (fp32 when a normalize projection follows); splitting the pairs over
+    # more programs would need a partial-sum buffer of another dtype, i.e. a second variant compiled at a
     # data-dependent moment, which the launch table rules out.
     n_tb = triton_cdiv(Lq, cfg.BT)
-    dQ = torch.empty((Nq, Lq, dim), dtype=torch.float32 if normalize else Q.dtype, device=Q.device)
-    maxsim_bwd_dq_kernel[(Nq * n_tb,)](
-        grad, argmax, D, inv_d, dQ,
-        Nq, K, Lq, dim,
-        0 if shared else D.stride(0), D.stride(1), D.stride(2),
-        0 if (shared or not normalize) else inv_d.stride(0), inv_d.stride(1) if normalize else 0,
-        n_tb,
-        BT=cfg.BT, DIM_P=cfg.DIM_P, NORMALIZE=normalize,
-        num_warps=cfg.num_warps,
+    dQ = torch.empty(Q.shape, dtype=torch.float32 if normalize else Q.dtype, device=Q.device)
+    _bwd_dq(
+        n_queries * n_tb,
+        (grad, argmax, D, inv_d, dQ, sg.qseg, sg.dseg, sg.pd, q_off, q_order),
+        (
+            n_queries, K, Lq, Ld, dim, *seg_args,
+            *_d_strides(D, shared), *_q_strides(dQ), *seg_strides, n_tb,
+        ),
+        dict(BT=cfg.BT, DIM_P=cfg.DIM_P, **kinds, PAIR_LIST=sg.pairs, SHARED_DOCS=shared, NORMALIZE=normalize),
+        cfg.num_warps,
     )  # fmt: skip
 
-    # dD: documents scored by one query each (candidates, pairs) take the owner kernel, which is then also the
-    # fastest (no zeroed fp32 buffer, no atomics, no cast); the cross product uses atomics unless asked not to.
+    # dD: documents scored by one query each (candidates) and pair lists take the owner kernel, which is then also
+    # the fastest (no zeroed fp32 buffer, no atomics, no cast); the cross product uses atomics unless asked not to.
     if deterministic or not shared:
         direct_d = not normalize
-        gd = torch.empty((Bd, K, Ld, dim), dtype=D.dtype if direct_d else torch.float32, device=D.device)
+        gd = torch.empty(D.shape, dtype=D.dtype if direct_d else torch.float32, device=D.device)
         n_jb = triton_cdiv(Ld, cfg.BN)
         n_kb = triton_cdiv(dim, cfg.BLOCK_K)
-        maxsim_bwd_dd_owned_kernel[(Bd * K * n_jb * n_kb,)](
-            grad, argmax, Q, inv_q, gd,
-            Nq, K, Lq, Ld, dim,
-            Q.stride(0), Q.stride(1),
-            gd.stride(0), gd.stride(1), gd.stride(2),
-            n_jb, n_kb,
-            TQ=cfg.TQ, BN=cfg.BN, BLOCK_K=cfg.BLOCK_K,
-            SHARED_DOCS=shared, NORMALIZE=normalize, DOT_PRECISION=_dot_precision(Q.dtype),
-            UPCAST=_upcast(Q.dtype),
-            num_warps=cfg.num_warps,
+        n_owned = n_docs if sg.d_kind == OFFSETS else Bd * K
+        _bwd_dd_owned(
+            n_owned * n_jb * n_kb,
+            (grad, argmax, Q, inv_q, gd, sg.qseg, sg.dseg, sg.pq, d_off, d_order),
+            (
+                Nq, n_docs if sg.pairs else K, Lq, Ld, dim, *seg_args,
+                *_q_strides(Q), *_d_strides(gd, False), *seg_strides, n_jb, n_kb,
+            ),
+            dict(
+                TQ=cfg.TQ, BN=cfg.BN, BLOCK_K=cfg.BLOCK_K, **kinds, PAIR_LIST=sg.pairs, SHARED_DOCS=shared,
+                NORMALIZE=normalize, DOT_PRECISION=_dot_precision(Q.dtype), UPCAST=_upcast(Q.dtype),
+            ),
+            cfg.num_warps,
         )  # fmt: skip
     else:
         direct_d = not normalize and D.dtype == torch.float32
-        gd = torch.zeros((Bd, K, Ld, dim), dtype=torch.float32, device=D.device)
-        maxsim_bwd_dd_scatter_kernel[(Nq * K * n_tb,)](
-            grad, argmax, Q, inv_q, gd,
-            K, Lq, dim,
-            Q.stride(0), Q.stride(1),
-            0 if shared else gd.stride(0), gd.stride(1), gd.stride(2),
-            n_tb,
-            BT=cfg.BT, DIM_P=cfg.DIM_P, NORMALIZE=normalize,
-            num_warps=cfg.num_warps,
+        gd = torch.zeros(D.shape, dtype=torch.float32, device=D.device)
+        _bwd_dd_scatter(
+            Nq * K * n_tb,
+            (grad, argmax, Q, inv_q, gd, sg.qseg, sg.dseg),
+            (
+                Nq, K, Lq, Ld, dim, *seg_args,
+                *_q_strides(Q), *_d_strides(gd, True), *seg_strides, n_tb,
+            ),
+            dict(BT=cfg.BT, DIM_P=cfg.DIM_P, **kinds, SHARED_DOCS=shared, NORMALIZE=normalize),
+            cfg.num_warps,
         )  # fmt: skip
 
     if normalize:
@@ -179,4 +267,3 @@ def backward(
         direct_d = False
     dD = gd if direct_d else gd.to(D.dtype)
     return dQ.to(Q.dtype), dD
-

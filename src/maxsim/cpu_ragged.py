@@ -1,0 +1,149 @@
+"""PyTorch path for the ragged layouts: gather each segment into a padded block, run the dense twin (:mod:`.cpu`),
+and route the gradients back to the packed rows.
+
+The padded blocks are copies (``[Nq, max_q, dim]`` and ``[Nd, max_d, dim]``; for a pair list one block of pairs at
+a time, within :data:`maxsim.cpu.BLOCK_BYTES`), which is fine off the GPU, where this path runs. Out-of-range
+offsets, lengths or pair ids give NaN scores, as in the kernels. No host↔device sync beyond what PyTorch ops do.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import cpu
+from .layout import Ragged
+
+
+def _packed(x: Tensor, seg: Tensor, max_len: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Packed ``x [rows, dim]`` with offsets ``seg [N + 1]`` as ``(padded [N, max_len, dim], valid [N, max_len],
+    row index [N, max_len] (clamped), bad [N])``."""
+    rows = x.shape[0]
+    s0, s1 = seg[:-1].long(), seg[1:].long()
+    bad = (s0 < 0) | (s1 < s0) | (s1 > rows) | (s1 - s0 > max_len)
+    s0c = s0.clamp(0, rows)
+    n = (s1.clamp(max=rows) - s0c).clamp(min=0)
+    t = torch.arange(max_len, device=x.device)
+    valid = t[None, :] < n[:, None]
+    idx = (s0c[:, None] + t[None, :]).clamp(max=max(rows - 1, 0))
+    padded = x[idx] if rows > 0 else x.new_zeros((*idx.shape, x.shape[-1]))
+    return padded, valid, idx, bad
+
+
+def _lengths(lengths: Tensor, limit: int) -> tuple[Tensor, Tensor]:
+    """``(valid [..., limit], bad [...])`` from per-sequence lengths."""
+    t = torch.arange(limit, device=lengths.device)
+    return t < lengths[..., None], (lengths < 0) | (lengths > limit)
+
+
+class _Dense:
+    """A ragged problem as dense blocks: ``Q [Nq, Lq, dim]``, ``D [Bd, K, Ld, dim]`` with masks and bad flags."""
+
+    def __init__(self, Q: Tensor, D: Tensor, rg: Ragged) -> None:
+        self.q_idx = self.d_idx = None
+        self.Q, self.D = Q, D
+        self.q_mask = self.d_mask = None
+        self.q_bad = self.d_bad = None
+        if rg.q_seg is not None:
+            if Q.dim() == 2:
+                self.Q, self.q_mask, self.q_idx, self.q_bad = _packed(Q, rg.q_seg, rg.max_q)
+            else:
+                self.q_mask, self.q_bad = _lengths(rg.q_seg, Q.shape[1])
+        if rg.d_seg is not None:
+            if D.dim() == 2:
+                Dp, dm, self.d_idx, self.d_bad = _packed(D, rg.d_seg, rg.max_d)
+                self.D, self.d_mask = Dp[None], dm[None]
+            else:
+                self.d_mask, self.d_bad = _lengths(rg.d_seg, D.shape[2])
+
+
+def _pair_blocks(rg: Ragged, per_pair: int):
+    P = rg.pair_q.shape[0]
+    step = max(1, min(P, cpu.BLOCK_BYTES // max(1, per_pair)))
+    for p0 in range(0, P, step):
+        yield p0, min(P, p0 + step)
+
+
+def _pair_ids(rg: Ragged, nq: int, nd: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Pair ids clamped into range (for gathering) and the pairs whose ids were out of range."""
+    pq, pd = rg.pair_q.long(), rg.pair_d.long()
+    bad = (pq < 0) | (pq >= nq) | (pd < 0) | (pd >= nd)
+    return pq.clamp(0, max(nq - 1, 0)), pd.clamp(0, max(nd - 1, 0)), bad
+
+
+def forward(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: Ragged) -> tuple[Tensor, Tensor]:
+    """As :func:`maxsim.cpu.forward` for a ragged description: scores ``[Nq, K]`` (a pair list: ``[1, P]``)."""
+    dn = _Dense(Q, D, rg)
+    if rg.pair_q is None:
+        scores, argmax = cpu.forward(dn.Q, dn.D, dn.q_mask, dn.d_mask, normalize, need_argmax)
+        bad = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+        if dn.q_bad is not None:
+            bad |= dn.q_bad[:, None]
+        if dn.d_bad is not None:
+            bad |= dn.d_bad if dn.d_bad.dim() == 2 else dn.d_bad[None, :]
+        return scores.masked_fill(bad, float("nan")), argmax
+    nq, nd = dn.Q.shape[0], dn.D.shape[1]
+    pq, pd, bad = _pair_ids(rg, nq, nd)
+    if dn.q_bad is not None:
+        bad = bad | dn.q_bad[pq]
+    if dn.d_bad is not None:
+        bad = bad | dn.d_bad[pd]
+    P, Lq, Ld, dim = pq.shape[0], dn.Q.shape[1], dn.D.shape[2], Q.shape[-1]
+    scores = torch.empty((1, P), dtype=torch.float64 if Q.dtype == torch.float64 else torch.float32, device=Q.device)
+    argmax = torch.empty((1, P, Lq) if need_argmax else (0,), dtype=torch.int32, device=Q.device)
+    per_pair = (Lq + Ld) * dim * 8 + Lq * Ld * 8
+    for p0, p1 in _pair_blocks(rg, per_pair):
+        s, a = cpu.forward(
+            dn.Q[pq[p0:p1]], dn.D[0, pd[p0:p1]][:, None], dn.q_mask[pq[p0:p1]], dn.d_mask[0, pd[p0:p1]][:, None],
+            normalize, need_argmax,
+        )  # fmt: skip
+        scores[0, p0:p1] = s[:, 0]
+        if need_argmax:
+            argmax[0, p0:p1] = a[:, 0]
+    return scores.masked_fill(bad[None, :], float("nan")), argmax
+
+
+def _to_packed(g_pad: Tensor, idx: Tensor, valid: Tensor, rows: int) -> Tensor:
+    """Gradient of padded blocks back to packed rows: every row belongs to exactly one (sequence, token) slot."""
+    dim = g_pad.shape[-1]
+    # Padding slots add an exact zero (their clamped index points at some real row), so the sum is exact and
+    # order-free even where index_add_ uses atomics; no boolean indexing, hence no device sync.
+    contrib = torch.where(valid[..., None], g_pad, g_pad.new_zeros(()))
+    return g_pad.new_zeros((rows, dim)).index_add_(0, idx.reshape(-1), contrib.reshape(-1, dim))
+
+
+def backward(
+    grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, normalize: bool, deterministic: bool, rg: Ragged
+) -> tuple[Tensor, Tensor]:
+    """As :func:`maxsim.cpu.backward` for a ragged description; gradients in Q's and D's own (packed) layout."""
+    dn = _Dense(Q, D, rg)
+    acc = torch.float64 if Q.dtype == torch.float64 else torch.float32
+    # In the accumulation dtype throughout, rounded once at the end (as the kernels do).
+    Qa, Da = dn.Q.to(acc), dn.D.to(acc)
+    if rg.pair_q is None:
+        dQ, dD = cpu.backward(grad, Qa, Da, argmax, normalize, deterministic)
+    else:
+        pq, pd, _ = _pair_ids(rg, Qa.shape[0], Da.shape[1])
+        dQ, dD = torch.zeros_like(Qa), torch.zeros_like(Da)
+        Lq, Ld, dim = Qa.shape[1], Da.shape[2], Q.shape[-1]
+        for p0, p1 in _pair_blocks(rg, (Lq + Ld) * dim * 8 * 3):
+            gq, gd = cpu.backward(
+                grad[:, p0:p1].reshape(-1, 1), Qa[pq[p0:p1]], Da[0, pd[p0:p1]][:, None], argmax[0, p0:p1, None],
+                normalize, deterministic,
+            )  # fmt: skip
+            _sum_into(dQ, pq[p0:p1], gq, deterministic)
+            _sum_into(dD[0], pd[p0:p1], gd[:, 0], deterministic)
+    if dn.q_idx is not None:
+        dQ = _to_packed(dQ, dn.q_idx, dn.q_mask, Q.shape[0])
+    if dn.d_idx is not None:
+        dD = _to_packed(dD[0], dn.d_idx, dn.d_mask[0], D.shape[0])
+    return dQ.to(Q.dtype), dD.to(D.dtype)
+
+
+def _sum_into(out: Tensor, ids: Tensor, values: Tensor, deterministic: bool) -> None:
+    """``out[ids[i]] += values[i]``; on CUDA with ``deterministic`` through a one-hot product (no atomics)."""
+    if deterministic and out.device.type != "cpu":
+        onehot = (ids[None, :] == torch.arange(out.shape[0], device=out.device)[:, None]).to(values.dtype)
+        out += (onehot @ values.reshape(values.shape[0], -1)).view(out.shape)
+    else:
+        out.index_add_(0, ids, values)
