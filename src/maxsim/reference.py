@@ -60,7 +60,7 @@ def scores_and_argmax(
     else:
         doc_has_valid = torch.full((Nq, K), Ld > 0, dtype=torch.bool, device=Q.device)
     if Ld == 0:
-        best = sim.new_zeros((Nq, K, Lq))
+        best = sim.sum(dim=-1)  # zeros (an empty sum), still attached to the graph: gradients flow (as zeros)
         arg = torch.full((Nq, K, Lq), -1, dtype=torch.long, device=Q.device)
     else:
         best, arg = sim.max(dim=-1)  # ties -> lowest index, NaN propagates
@@ -142,6 +142,59 @@ def maxsim_pairs(
     return scores[:, 0]
 
 
+def _pad_packed(X: Tensor, cu_seqlens: Tensor, max_seqlen: int | None) -> tuple[Tensor, Tensor]:
+    """Packed rows ``X [ΣL, dim]`` with offsets ``cu_seqlens [N+1]`` -> zero-padded ``[N, L, dim]`` and mask ``[N, L]``.
+
+    ``L`` is ``max_seqlen`` when given (it must bound every length), else the longest sequence. Padding is zeros (not
+    copies of real rows) so that no value of another sequence, NaN included, can reach a gradient through it.
+    Differentiable: the gradient of a padded slot goes back to its packed row.
+    """
+    cu = cu_seqlens.detach().to(device=X.device, dtype=torch.long)
+    lengths = cu[1:] - cu[:-1]
+    longest = int(lengths.max()) if lengths.numel() else 0
+    width = longest if max_seqlen is None else int(max_seqlen)
+    if width < longest:
+        raise ValueError(f"max_seqlen {width} is smaller than the longest sequence ({longest})")
+    N = lengths.numel()
+    pos = torch.arange(width, device=X.device)
+    mask = pos[None, :] < lengths[:, None]  # [N, L]
+    flat = torch.zeros((N * width, X.shape[-1]), dtype=X.dtype, device=X.device)
+    rows = (cu[:-1, None] + pos[None, :])[mask]  # packed row of each valid slot, in slot order
+    slots = mask.reshape(-1).nonzero().squeeze(-1)
+    flat = flat.index_put((slots,), X[rows])
+    return flat.reshape(N, width, X.shape[-1]), mask
+
+
+def _lengths_mask(lengths: Tensor, L: int) -> Tensor:
+    """``mask[..., t] = t < lengths[...]`` for ``t`` in ``[0, L)``."""
+    return torch.arange(L, device=lengths.device) < lengths.to(torch.long)[..., None]
+
+
+def maxsim_varlen_with_argmax(
+    Q: Tensor,
+    D: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_d: Tensor,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_d: int | None = None,
+    normalize: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Ragged cross product with the winning token indices.
+
+    Packed ``Q [ΣLq, dim]`` (offsets ``cu_seqlens_q [Nq+1]``) against packed ``D [ΣLd, dim]`` (``cu_seqlens_d
+    [Nd+1]``): every query against every document.
+
+    Returns:
+        ``(scores [Nq, Nd], argmax [Nq, Nd, Lq] int64)`` with ``Lq`` = ``max_seqlen_q`` if given, else the longest
+        query. ``argmax[i, j, t]`` is the winning token's index inside document ``j`` (0-based, relative to the
+        document's first row); -1 for ``t`` beyond query ``i``'s length or when document ``j`` is empty.
+    """
+    Qp, q_mask = _pad_packed(Q, cu_seqlens_q, max_seqlen_q)
+    Dp, d_mask = _pad_packed(D, cu_seqlens_d, max_seqlen_d)
+    return scores_and_argmax(Qp, Dp[None], q_mask, d_mask[None], normalize=normalize)
+
+
 def maxsim_varlen(
     Q: Tensor,
     D: Tensor,
@@ -151,14 +204,37 @@ def maxsim_varlen(
     normalize: bool = False,
 ) -> Tensor:
     """Reference of the ragged cross product: packed ``Q [ΣLq, dim]``, ``D [ΣLd, dim]`` -> ``[Nq, Nd]``."""
-    cq = cu_seqlens_q.tolist()
-    cd = cu_seqlens_d.tolist()
-    rows = []
-    for i in range(len(cq) - 1):
-        qi = Q[cq[i] : cq[i + 1]]
-        row = [maxsim(qi, D[cd[j] : cd[j + 1]], normalize=normalize) for j in range(len(cd) - 1)]
-        rows.append(torch.stack(row) if row else Q.new_zeros(0))
-    return torch.stack(rows) if rows else Q.new_zeros((0, len(cd) - 1))
+    return maxsim_varlen_with_argmax(Q, D, cu_seqlens_q, cu_seqlens_d, normalize=normalize)[0]
+
+
+def maxsim_pairs_varlen_with_argmax(
+    Q: Tensor,
+    D: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_d: Tensor,
+    pair_q: Tensor,
+    pair_d: Tensor,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_d: int | None = None,
+    normalize: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Pair list with the winning token indices: query ``pair_q[p]`` against document ``pair_d[p]`` for each ``p``.
+
+    Pairs may come in any order and repeat (the gradient of a repeated pair is counted once per occurrence).
+
+    Returns:
+        ``(scores [P], argmax [P, Lq] int64)``, ``Lq`` and the argmax convention as in
+        :func:`maxsim_varlen_with_argmax`.
+    """
+    Qp, q_mask = _pad_packed(Q, cu_seqlens_q, max_seqlen_q)
+    Dp, d_mask = _pad_packed(D, cu_seqlens_d, max_seqlen_d)
+    pq = pair_q.to(device=Q.device, dtype=torch.long)
+    pd = pair_d.to(device=Q.device, dtype=torch.long)
+    if pq.shape != pd.shape or pq.dim() != 1:
+        raise ValueError(f"pair_q {tuple(pq.shape)} and pair_d {tuple(pd.shape)} must be 1-D of the same length")
+    scores, arg = scores_and_argmax(Qp[pq], Dp[pd][:, None], q_mask[pq], d_mask[pd][:, None], normalize=normalize)
+    return scores[:, 0], arg[:, 0]
 
 
 def maxsim_pairs_varlen(
@@ -172,10 +248,41 @@ def maxsim_pairs_varlen(
     normalize: bool = False,
 ) -> Tensor:
     """Reference of the pair list: score ``(query pair_q[p], document pair_d[p])`` for each ``p``."""
-    cq = cu_seqlens_q.tolist()
-    cd = cu_seqlens_d.tolist()
-    out = [
-        maxsim(Q[cq[i] : cq[i + 1]], D[cd[j] : cd[j + 1]], normalize=normalize)
-        for i, j in zip(pair_q.tolist(), pair_d.tolist(), strict=True)
-    ]
-    return torch.stack(out) if out else Q.new_zeros(0)
+    return maxsim_pairs_varlen_with_argmax(Q, D, cu_seqlens_q, cu_seqlens_d, pair_q, pair_d, normalize=normalize)[0]
+
+
+def maxsim_padded_with_argmax(
+    queries: Tensor,
+    documents: Tensor,
+    query_lengths: Tensor,
+    doc_lengths: Tensor,
+    *,
+    normalize: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Padded per-query candidates given by lengths, with the winning token indices.
+
+    ``queries [B, Lq, dim]``, ``documents [B, K, Ld, dim]``, ``query_lengths [B]``, ``doc_lengths [B, K]``: query
+    ``b``'s token ``t`` is valid iff ``t < query_lengths[b]``, document ``(b, k)``'s token ``j`` iff
+    ``j < doc_lengths[b, k]``; the padding's values never matter.
+
+    Returns:
+        ``(scores [B, K], argmax [B, K, Lq] int64)``, -1 where the query token is padding or the document is empty.
+    """
+    q_mask = _lengths_mask(query_lengths.to(queries.device), queries.shape[-2])
+    d_mask = _lengths_mask(doc_lengths.to(queries.device), documents.shape[-2])
+    # zero the padding (differentiably: its gradient is 0) so that its values, NaN included, cannot matter
+    queries = queries.masked_fill(~q_mask[..., None], 0)
+    documents = documents.masked_fill(~d_mask[..., None], 0)
+    return scores_and_argmax(queries, documents, q_mask, d_mask, normalize=normalize)
+
+
+def maxsim_padded(
+    queries: Tensor,
+    documents: Tensor,
+    query_lengths: Tensor,
+    doc_lengths: Tensor,
+    *,
+    normalize: bool = False,
+) -> Tensor:
+    """Reference of :func:`maxsim.maxsim_padded`: ``[B, Lq, dim]`` vs ``[B, K, Ld, dim]`` by lengths -> ``[B, K]``."""
+    return maxsim_padded_with_argmax(queries, documents, query_lengths, doc_lengths, normalize=normalize)[0]

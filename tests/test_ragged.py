@@ -1,0 +1,800 @@
+"""Parity of the ragged API with the float64 reference: scores, gradients (dQ, dD) and argmax.
+
+Covers ``maxsim.maxsim_varlen``, ``maxsim.maxsim_pairs_varlen``, ``maxsim.maxsim_padded`` and
+``maxsim.maxsim_with_argmax`` (and ``return_argmax=True`` of ``maxsim.maxsim`` / ``maxsim.maxsim_pairs``) against
+:mod:`maxsim.reference` evaluated in float64 on the same rounded inputs (design.md §5), on every usable backend.
+
+* random ragged batches come from ``hypothesis``, derandomized (CI sees the same examples on every run): lengths
+  around the tile sizes 16/32/64/128 and 0/1, unsorted and repeated pair lists, every dtype, int32/int64 offsets,
+  ``max_seqlen_*`` given or omitted, ``validate`` None/True/False, every ``backward`` mode;
+* hand-picked edge cases (empty sequences and batches, exact ties, non-contiguous tokens, ``max_seqlen_*`` above the
+  longest sequence) are parametrized, as are bad inputs (a ``ValueError``/``TypeError`` naming the argument);
+* under the Triton interpreter (CPU) the shapes stay small and only a subset runs (``MAXSIM_TEST_FULL_INTERPRETER=1``
+  runs it all).
+
+Near-ties: gradients are compared only on tokens whose argmax is unambiguous, and an argmax in a near-tied row may be
+any of the near-maximal document tokens; everywhere else the argmax must equal the reference's exactly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass
+
+import pytest
+import torch
+from helpers import (
+    DTYPES,
+    FULL_INTERPRETER,
+    GAP_TOL,
+    Inputs,
+    assert_grads_close,
+    assert_same_nan,
+    assert_scores_close,
+    int_grid,
+    interpreted,
+    keep_under_interpreter,
+    make_inputs,
+    randn,
+    score_magnitude,
+    seed_of,
+    similarities,
+    unambiguous_tokens,
+    upstream_grad,
+)
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+import maxsim
+from maxsim import reference
+
+INDEX_DTYPES = {"int32": torch.int32, "int64": torch.int64}
+ALL_DTYPES = {**DTYPES, "fp64": torch.float64}
+# 0/1 and both sides of the tile sizes 16/32/64/128
+TILE_LENGTHS = (0, 1, 2, 5, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129)
+
+
+# ----------------------------------------------------------------------------------------------------
+# one ragged call
+
+
+@dataclass(frozen=True)
+class Ragged:
+    """One call of ``maxsim_varlen`` (``pairs is None``) or ``maxsim_pairs_varlen`` and its inputs."""
+
+    q_lens: tuple[int, ...]
+    d_lens: tuple[int, ...]
+    pairs: tuple[tuple[int, int], ...] | None = None
+    dim: int = 16
+    dtype: str = "fp32"
+    normalize: bool = False
+    index: str = "int32"  # dtype of the offsets and pair ids
+    max_seqlen: str = "given"  # "given" (the longest length), "bound" (given, above the longest) or "omitted"
+    validate: bool | None = None  # None: not passed (the default)
+    backward: str = "auto"
+    return_argmax: bool = True
+    exact: bool = False  # integer-valued tokens: exact ties in every dtype, every gradient entry compared
+    noncontig: bool = False  # Q and D as strided views
+    seed: int = 0
+
+    def __repr__(self) -> str:  # short ids / hypothesis reports: only what differs from the defaults
+        parts = [f"q_lens={self.q_lens}", f"d_lens={self.d_lens}"]
+        for name, default in _DEFAULTS.items():
+            if getattr(self, name) != default:
+                parts.append(f"{name}={getattr(self, name)!r}")
+        return f"Ragged({', '.join(parts)})"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return ALL_DTYPES[self.dtype]
+
+    def width_q(self) -> int:
+        """The argmax's last dimension: ``max_seqlen_q`` when given, else the longest query."""
+        return max(self.q_lens, default=0) + (3 if self.max_seqlen == "bound" else 0)
+
+    def width_d(self) -> int:
+        return max(self.d_lens, default=0) + (3 if self.max_seqlen == "bound" else 0)
+
+
+_DEFAULTS = {
+    "pairs": None,
+    "dim": 16,
+    "dtype": "fp32",
+    "normalize": False,
+    "index": "int32",
+    "max_seqlen": "given",
+    "validate": None,
+    "backward": "auto",
+    "return_argmax": True,
+    "exact": False,
+    "noncontig": False,
+    "seed": 0,
+}
+
+
+def offsets(lens, index: str, device) -> torch.Tensor:
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=INDEX_DTYPES[index], device=device)
+
+
+def packed_tokens(n: int, case: Ragged, *, seed: int, device) -> torch.Tensor:
+    draw = int_grid if case.exact else randn
+    if case.noncontig:  # every other column of a wider buffer
+        base = draw((n, 2 * case.dim), seed=seed, dtype=case.torch_dtype, device=device)
+        return base[:, 1::2]
+    return draw((n, case.dim), seed=seed, dtype=case.torch_dtype, device=device)
+
+
+@dataclass
+class Built:
+    Q: torch.Tensor
+    D: torch.Tensor
+    cu_q: torch.Tensor
+    cu_d: torch.Tensor
+    pair_q: torch.Tensor | None
+    pair_d: torch.Tensor | None
+
+
+def build(case: Ragged, device) -> Built:
+    seed = case.seed or seed_of(case)
+    Q = packed_tokens(sum(case.q_lens), case, seed=seed, device=device)
+    D = packed_tokens(sum(case.d_lens), case, seed=seed + 1, device=device)
+    pq = pd = None
+    if case.pairs is not None:
+        idx = INDEX_DTYPES[case.index]
+        pq = torch.tensor([p[0] for p in case.pairs], dtype=idx, device=device)
+        pd = torch.tensor([p[1] for p in case.pairs], dtype=idx, device=device)
+    return Built(Q, D, offsets(case.q_lens, case.index, device), offsets(case.d_lens, case.index, device), pq, pd)
+
+
+def lib_call(case: Ragged, b: Built, Q=None, D=None):
+    Q = b.Q if Q is None else Q
+    D = b.D if D is None else D
+    kw = dict(normalize=case.normalize, backward=case.backward, return_argmax=case.return_argmax)
+    if case.validate is not None:
+        kw["validate"] = case.validate
+    if case.max_seqlen != "omitted":
+        kw["max_seqlen_q"] = case.width_q()
+        kw["max_seqlen_d"] = case.width_d()
+    if case.pairs is None:
+        return maxsim.maxsim_varlen(Q, D, b.cu_q, b.cu_d, **kw)
+    return maxsim.maxsim_pairs_varlen(Q, D, b.cu_q, b.cu_d, b.pair_q, b.pair_d, **kw)
+
+
+def ref_call(case: Ragged, b: Built, Q, D):
+    """float64 (scores, argmax int64) of the reference, argmax padded to ``width_q``."""
+    kw = dict(max_seqlen_q=case.width_q(), max_seqlen_d=case.width_d(), normalize=case.normalize)
+    if case.pairs is None:
+        return reference.maxsim_varlen_with_argmax(Q, D, b.cu_q, b.cu_d, **kw)
+    return reference.maxsim_pairs_varlen_with_argmax(Q, D, b.cu_q, b.cu_d, b.pair_q, b.pair_d, **kw)
+
+
+def dense_view(case: Ragged, b: Built) -> tuple[Inputs, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same call as dense masked inputs (for tolerances / near-ties), in the inputs' dtype.
+
+    Returns ``(inputs, q_rows, q_valid, d_rows, d_valid)``: ``q_rows [M, Lq]`` is the packed row of each dense query
+    slot (``q_valid`` where it is a real token), likewise for documents; the cross product uses layout "cross", the
+    pair list layout "pairs" (one dense row per pair).
+    """
+    Qp, qm = reference._pad_packed(b.Q.detach(), b.cu_q, case.width_q())
+    Dp, dm = reference._pad_packed(b.D.detach(), b.cu_d, case.width_d())
+    q_rows = b.cu_q[:-1].long().cpu()[:, None] + torch.arange(Qp.shape[1])
+    d_rows = b.cu_d[:-1].long().cpu()[:, None] + torch.arange(Dp.shape[1])
+    if case.pairs is None:
+        return Inputs("cross", Qp, Dp, qm, dm), q_rows, qm.cpu(), d_rows, dm.cpu()
+    pq, pd = b.pair_q.long(), b.pair_d.long()
+    inp = Inputs("pairs", Qp[pq], Dp[pd], qm[pq], dm[pd])
+    pq, pd = pq.cpu(), pd.cpu()
+    return inp, q_rows[pq], qm.cpu()[pq], d_rows[pd], dm.cpu()[pd]
+
+
+def packed_keep(keep_dense: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """A packed token is compared iff it is unambiguous in every dense slot (every pair) it appears in."""
+    ambiguous = torch.zeros(n_rows, dtype=torch.bool)
+    ambiguous[rows[valid & ~keep_dense.reshape(valid.shape)]] = True
+    return ~ambiguous
+
+
+def assert_argmax_matches(arg, rarg, inp: Inputs, *, normalize: bool, exact: bool, what="argmax"):
+    """int32, the reference's shape, and equal to the reference where the max is unambiguous (everywhere if
+    ``exact``); in a near-tied row, any of the near-maximal valid document tokens."""
+    assert arg is not None, f"{what}: missing"
+    assert arg.dtype == torch.int32, f"{what}: dtype {arg.dtype}, expected torch.int32"
+    assert tuple(arg.shape) == tuple(rarg.shape), f"{what}: shape {tuple(arg.shape)} != {tuple(rarg.shape)}"
+    sim, row_valid = similarities(inp, normalize)  # [M, K, Lq, Ld]
+    sim, row_valid = sim.cpu(), row_valid.cpu()
+    a = arg.detach().long().cpu().reshape(sim.shape[:-1])
+    e = rarg.detach().long().cpu().reshape(sim.shape[:-1])
+    ok = a == e
+    ld = sim.shape[-1]
+    if not exact and ld > 0 and sim.numel() > 0:
+        finite = torch.isfinite(sim)
+        scale = float(sim[finite].abs().max()) if finite.any() else 1.0
+        close = finite & (sim >= sim.amax(-1, keepdim=True) - GAP_TOL[inp.dtype] * scale)
+        near = row_valid & (close.sum(-1) > 1)
+        picked = close.gather(-1, a.clamp(0, ld - 1)[..., None])[..., 0] & (a >= 0) & (a < ld)
+        ok |= near & picked
+    if not bool(ok.all()):
+        bad = (~ok).nonzero().tolist()
+        first = tuple(bad[0])
+        raise AssertionError(
+            f"{what}: {len(bad)}/{ok.numel()} entries differ from the reference; first at (row, k, token) {first}: "
+            f"got {int(a[first])}, expected {int(e[first])}; others at {bad[1:6]}"
+        )
+
+
+def compare_grads(actual, expected, *, dtype, keep, any_ties: bool, what: str):
+    """:func:`assert_grads_close` on the unambiguous entries. ``any_ties``: random data may be mostly near-tied (a
+    long query against a two-token document), so there the kept subset may be small or empty."""
+    if keep is None or not any_ties:
+        assert_grads_close(actual, expected, dtype=dtype, keep=keep, what=what)
+        return
+    assert actual is not None, f"{what}: no gradient (None)"
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.dtype == dtype, f"{what}: dtype {actual.dtype}, expected the input dtype {dtype}"
+    assert bool(torch.isfinite(actual).all()), f"{what}: non-finite values"
+    k = keep.to(actual.device)
+    assert_grads_close(actual[k], expected[k], dtype=dtype, what=what)
+
+
+def check_ragged(
+    case: Ragged, device, *, any_ties: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Library against the float64 reference: scores, dQ, dD and (if asked) argmax. Returns (s, argmax, dQ, dD).
+
+    any_ties: do not insist that most tokens be unambiguous (random cases); hand-picked cases do.
+    """
+    b = build(case, device)
+    dtype = case.torch_dtype
+    Q = b.Q.detach().requires_grad_()
+    D = b.D.detach().requires_grad_()
+    out = lib_call(case, b, Q, D)
+    if case.return_argmax:
+        assert isinstance(out, tuple) and len(out) == 2, f"return_argmax=True returned {type(out)}"
+        s, arg = out
+    else:
+        assert isinstance(out, torch.Tensor), f"return_argmax=False returned {type(out)}"
+        s, arg = out, None
+    n_q, n_d = len(case.q_lens), len(case.d_lens)
+    expected_shape = (n_q, n_d) if case.pairs is None else (len(case.pairs),)
+    assert tuple(s.shape) == expected_shape, f"scores shape {tuple(s.shape)}, expected {expected_shape}"
+    grad = upstream_grad(s.shape, seed=seed_of(case, "grad"), device=s.device)
+    if s.numel() > 0:
+        assert s.requires_grad, "scores do not require grad"
+        s.backward(grad)
+
+    Qr = b.Q.detach().double().requires_grad_()
+    Dr = b.D.detach().double().requires_grad_()
+    rs, rarg = ref_call(case, b, Qr, Dr)
+    if rs.numel() > 0:
+        rs.backward(grad.double())
+    rdQ = torch.zeros_like(Qr) if Qr.grad is None else Qr.grad
+    rdD = torch.zeros_like(Dr) if Dr.grad is None else Dr.grad
+
+    inp, q_rows, q_valid, d_rows, d_valid = dense_view(case, b)
+    mag = score_magnitude(inp, case.normalize, rs.shape)
+    assert_scores_close(s.detach(), rs.detach(), dtype=dtype, magnitude=mag)
+    if s.numel() == 0:
+        for name, g in (("dQ", Q.grad), ("dD", D.grad)):
+            assert g is None or not bool(g.any()), f"{name}: non-zero gradient of an empty output"
+        dQ = torch.zeros_like(Q) if Q.grad is None else Q.grad
+        dD = torch.zeros_like(D) if D.grad is None else D.grad
+    else:
+        dQ, dD = Q.grad, D.grad
+        q_keep = d_keep = None
+        if not case.exact:
+            qk, dk = unambiguous_tokens(inp, case.normalize, GAP_TOL[dtype])
+            q_keep = packed_keep(qk, q_rows, q_valid, Q.shape[0])[:, None].expand(Q.shape)
+            d_keep = packed_keep(dk, d_rows, d_valid, D.shape[0])[:, None].expand(D.shape)
+        compare_grads(dQ, rdQ, dtype=dtype, keep=q_keep, any_ties=any_ties, what="dQ")
+        compare_grads(dD, rdD, dtype=dtype, keep=d_keep, any_ties=any_ties, what="dD")
+    if case.return_argmax:
+        assert arg.device == s.device, f"argmax on {arg.device}, scores on {s.device}"
+        assert_argmax_matches(arg, rarg, inp, normalize=case.normalize, exact=case.exact)
+    return s.detach(), arg, dQ, dD
+
+
+# ----------------------------------------------------------------------------------------------------
+# hypothesis: random ragged batches
+
+# Under the Triton interpreter every (query, document) pair costs about a second: few, small examples there; the
+# PyTorch path on CPU gets more, the GPU the most.
+EXAMPLES = {"interpreter": 3, "cpu": 15, "cuda": 40}
+
+
+def _size(backend: str, device) -> str:
+    if interpreted(backend, device) and not FULL_INTERPRETER:
+        return "interpreter"
+    return "cuda" if torch.device(device).type == "cuda" else "cpu"
+
+
+def _settings(size: str) -> settings:
+    slow = size == "interpreter"
+    return settings(
+        max_examples=EXAMPLES[size],
+        deadline=None,
+        derandomize=True,
+        database=None,
+        print_blob=True,
+        # shrinking re-runs the kernels many times: not under the interpreter (the failing example is printed)
+        phases=(Phase.explicit, Phase.generate) if slow else (Phase.explicit, Phase.generate, Phase.shrink),
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+
+
+def _lengths(draw, n_max: int, budget: int) -> tuple[int, ...]:
+    """1..n_max lengths, each either near a tile size or small, in total at most ``budget``."""
+    out = []
+    for _ in range(draw(st.integers(1, n_max))):
+        left = budget - sum(out)
+        tile = [x for x in TILE_LENGTHS if x <= left]
+        out.append(draw(st.one_of(st.sampled_from(tile), st.integers(0, min(left, 40)))))
+    return tuple(out)
+
+
+@st.composite
+def ragged_cases(draw, *, pairs: bool, size: str) -> Ragged:
+    # (max sequences per side, query token budget, document token budget, dims, max pairs)
+    n_max, q_budget, d_budget, dims, max_pairs = {
+        "interpreter": (2, 140, 200, (8, 16, 32, 64), 3),  # dim <= 64, at most 4 (query, document) pairs
+        "cpu": (4, 200, 300, (8, 16, 48, 64, 100), 12),
+        "cuda": (6, 400, 700, (8, 16, 48, 64, 100, 128, 256), 32),
+    }[size]
+    q_lens = _lengths(draw, n_max, q_budget)
+    d_lens = _lengths(draw, n_max, d_budget)
+    dim = draw(st.sampled_from(dims))
+    pair_list = None
+    if pairs:  # any order, repeats allowed
+        one = st.tuples(st.integers(0, len(q_lens) - 1), st.integers(0, len(d_lens) - 1))
+        pair_list = tuple(draw(st.lists(one, min_size=1, max_size=max_pairs)))
+    return Ragged(
+        q_lens=q_lens,
+        d_lens=d_lens,
+        pairs=pair_list,
+        dim=dim,
+        dtype=draw(st.sampled_from(tuple(DTYPES))),
+        normalize=draw(st.booleans()),
+        index=draw(st.sampled_from(tuple(INDEX_DTYPES))),
+        max_seqlen=draw(st.sampled_from(("given", "omitted"))),
+        validate=draw(st.sampled_from((None, True, False))),
+        backward=draw(st.sampled_from(("auto", "fast", "deterministic"))),
+        return_argmax=draw(st.booleans()),
+        seed=draw(st.integers(1, 2**20)),
+    )
+
+
+def test_varlen_random(backend, device):
+    size = _size(backend, device)
+
+    @_settings(size)
+    @given(case=ragged_cases(pairs=False, size=size))
+    def run(case):
+        check_ragged(case, device, any_ties=True)
+
+    run()
+
+
+def test_pairs_varlen_random(backend, device):
+    size = _size(backend, device)
+
+    @_settings(size)
+    @given(case=ragged_cases(pairs=True, size=size))
+    def run(case):
+        check_ragged(case, device, any_ties=True)
+
+    run()
+
+
+# ----------------------------------------------------------------------------------------------------
+# hand-picked cases (kept: True = also under the interpreter)
+
+# Under the interpreter every (query, document) pair costs about a second: the kept cases have few pairs.
+VARLEN_CASES = [
+    (Ragged((0, 17), (33, 0), dim=16), True),  # an empty query and an empty document
+    (Ragged((129,), (65, 128), dim=16, dtype="fp16", normalize=True, index="int64", max_seqlen="omitted"), True),
+    (Ragged((7,), (9, 12), dim=8, exact=True), True),  # exact ties: lowest index, every gradient entry compared
+    (Ragged((9,), (11,), dim=32, noncontig=True, validate=True, backward="fast"), True),
+    (Ragged((17,), (0, 33), dim=16, max_seqlen="bound", validate=False), True),  # max_seqlen above the longest
+    (Ragged((1, 0, 17), (0, 33, 1, 16), dim=16), False),  # empty query and document, single tokens
+    (Ragged((64, 63, 127), (31, 32, 129), dim=48, dtype="bf16", backward="deterministic"), False),
+    (Ragged((5, 7, 0), (9, 3, 12), dim=8, dtype="fp16", exact=True, max_seqlen="omitted"), False),
+    (Ragged((6, 9), (4, 11, 0), dim=16, dtype="bf16", exact=True, backward="deterministic"), False),
+    (Ragged((3, 0, 9), (4, 11), dim=32, dtype="bf16", noncontig=True, validate=True, normalize=True), False),
+    (Ragged((17, 4), (33, 0, 2), dim=16, dtype="fp16", max_seqlen="bound", index="int64"), False),
+    (Ragged((0, 0), (0, 5), dim=8), False),  # every query empty (max_seqlen_q = 0)
+    (Ragged((4, 1), (0, 0), dim=8, max_seqlen="omitted"), False),  # every document empty
+    (Ragged((), (3, 2), dim=8), False),  # no query
+    (Ragged((3,), (), dim=8), False),  # no document
+    (Ragged((), (), dim=8, max_seqlen="omitted"), False),
+]
+
+PAIR_CASES = [
+    # unsorted, repeated pairs, an empty query and an empty document
+    (Ragged((3, 0, 17), (33, 0), pairs=((2, 0), (0, 1), (2, 0), (1, 0))), True),
+    (Ragged((129,), (64, 65), pairs=((0, 1), (0, 1)), dtype="bf16", normalize=True, index="int64"), True),
+    (Ragged((5, 8), (7, 3), pairs=((1, 1), (1, 1)), dim=8, exact=True, max_seqlen="omitted"), True),
+    (Ragged((3, 0, 17), (33, 0, 1), pairs=((2, 0), (0, 2), (2, 0), (1, 0), (0, 1), (2, 2), (2, 0))), False),
+    (Ragged((129, 3), (64, 65), pairs=((0, 1), (1, 0), (0, 0), (0, 1)), dtype="fp16", index="int64"), False),
+    (Ragged((5, 8), (7, 3), pairs=((1, 1), (0, 0), (1, 1), (0, 1)), dim=8, dtype="bf16", exact=True), False),
+    (Ragged((16, 32, 2), (64, 15), pairs=((2, 1), (0, 0), (1, 1), (1, 0)), dim=32, noncontig=True), False),
+    (Ragged((17, 4), (9, 33), pairs=((1, 0), (0, 1)), max_seqlen="bound", dtype="fp16", validate=True), False),
+    (Ragged((4, 2), (3,), pairs=(), dim=8), False),  # no pair
+    (Ragged((0, 0), (0, 3), pairs=((1, 0), (0, 1), (0, 1)), dim=8), False),
+]
+
+
+def _case_ids(cases):
+    return [f"{i}-{c.dtype}{'-exact' if c.exact else ''}" for i, (c, _) in enumerate(cases)]
+
+
+@pytest.mark.parametrize("case,keep", VARLEN_CASES, ids=_case_ids(VARLEN_CASES))
+def test_varlen_cases(case, keep, backend, device):
+    keep_under_interpreter(keep, backend, device)
+    check_ragged(case, device)
+
+
+@pytest.mark.parametrize("case,keep", PAIR_CASES, ids=_case_ids(PAIR_CASES))
+def test_pairs_varlen_cases(case, keep, backend, device):
+    keep_under_interpreter(keep, backend, device)
+    check_ragged(case, device)
+
+
+def test_float64_inputs(device):
+    """fp64 tokens give fp64 scores and gradients at fp64 accuracy (PyTorch path)."""
+    with maxsim.backend("torch"):
+        for pairs in (None, ((1, 0), (0, 2), (1, 0))):
+            case = Ragged((5, 17), (9, 0, 33), pairs=pairs, dtype="fp64", normalize=True, max_seqlen="omitted")
+            s, _, dQ, dD = check_ragged(case, device)
+            assert s.dtype == dQ.dtype == dD.dtype == torch.float64
+
+
+@pytest.mark.parametrize("fn", ["varlen", "pairs"])
+def test_deterministic_backward_is_bitwise_reproducible(fn, backend, device):
+    """backward="deterministic": scores, dQ and dD equal bitwise run to run (many pairs share tokens).
+
+    Not under the interpreter (sequential there); the parity cases run backward="deterministic" on it too."""
+    keep_under_interpreter(False, backend, device)
+    pairs = None if fn == "varlen" else tuple((i % 3, (5 * i) % 4) for i in range(14))
+    case = Ragged((17, 5, 33), (40, 1, 16, 70), pairs=pairs, dim=32, backward="deterministic", return_argmax=False)
+    b = build(case, device)
+    runs = []
+    for _ in range(2):
+        Q = b.Q.detach().clone().requires_grad_()
+        D = b.D.detach().clone().requires_grad_()
+        s = lib_call(case, b, Q, D)
+        s.backward(upstream_grad(s.shape, seed=3, device=s.device))
+        runs.append((s.detach(), Q.grad, D.grad))
+    for name, x, y in zip(("scores", "dQ", "dD"), runs[0], runs[1], strict=True):
+        assert torch.equal(x, y), f"{name} differs between two deterministic runs (max |diff| {(x - y).abs().max()})"
+
+
+@pytest.mark.parametrize("fn", ["varlen", "pairs"])
+def test_nan_propagates(fn, backend, device):
+    """A NaN in a document token makes its scores NaN (for non-empty queries); nothing else is touched."""
+    keep_under_interpreter(fn == "varlen", backend, device)
+    case = Ragged((3, 0), (4, 5), pairs=None if fn == "varlen" else ((0, 1), (1, 1), (1, 0), (0, 1), (0, 0)))
+    b = build(case, device)
+    D = b.D.clone()
+    D[4 + 2] = float("nan")  # token 2 of document 1
+    b.D = D
+    s, arg = lib_call(case, b)
+    rs, _ = ref_call(case, b, b.Q.double(), D.double())
+    assert_same_nan(s, rs, "scores")
+    keep = ~torch.isnan(rs)
+    torch.testing.assert_close(s[keep].double(), rs[keep], rtol=1e-5, atol=1e-5)
+    assert bool(torch.isnan(rs).any())  # the case really has a NaN score
+    assert arg.shape[-1] == case.width_q()
+
+
+# ----------------------------------------------------------------------------------------------------
+# maxsim_padded
+
+# (B, K, Lq, Ld, dim, dtype, normalize, index), lengths drawn with zeros, ones and the full width
+PADDED_CASES = [
+    ((2, 2, 33, 65, 16, "fp16", True, "int32"), True),
+    ((2, 3, 7, 5, 8, "fp32", False, "int64"), False),
+    ((1, 4, 17, 129, 32, "bf16", False, "int64"), False),
+    ((2, 2, 130, 16, 48, "fp32", True, "int32"), False),
+]
+
+
+def padded_inputs(case, device):
+    B, K, Lq, Ld, dim, dt, _, index = case
+    seed = seed_of(case)
+    dtype = DTYPES[dt]
+    queries = randn((B, Lq, dim), seed=seed, dtype=dtype, device=device)
+    documents = randn((B, K, Ld, dim), seed=seed + 1, dtype=dtype, device=device)
+    g = torch.Generator().manual_seed(seed + 2)
+    ql = torch.randint(0, Lq + 1, (B,), generator=g)
+    dl = torch.randint(0, Ld + 1, (B, K), generator=g)
+    ql[0] = Lq  # a full query
+    dl.view(-1)[0] = Ld  # a full document
+    dl.view(-1)[-1] = 0  # an empty document
+    if B > 1:
+        ql[-1] = 0  # an empty query
+    if B * K > 2:
+        dl.view(-1)[1] = 1
+    idx = INDEX_DTYPES[index]
+    return queries, documents, ql.to(device=device, dtype=idx), dl.to(device=device, dtype=idx)
+
+
+@pytest.mark.parametrize("case,keep", PADDED_CASES, ids=[f"{i}" for i in range(len(PADDED_CASES))])
+def test_padded(case, keep, backend, device):
+    keep_under_interpreter(keep, backend, device)
+    B, K, Lq, Ld, dim, dt, normalize, _ = case
+    dtype = DTYPES[dt]
+    queries, documents, ql, dl = padded_inputs(case, device)
+    Q = queries.detach().requires_grad_()
+    D = documents.detach().requires_grad_()
+    s, arg = maxsim.maxsim_padded(Q, D, ql, dl, normalize=normalize, return_argmax=True)
+    assert tuple(s.shape) == (B, K)
+    grad = upstream_grad(s.shape, seed=seed_of(case, "grad"), device=s.device)
+    s.backward(grad)
+
+    Qr = queries.detach().double().requires_grad_()
+    Dr = documents.detach().double().requires_grad_()
+    rs, rarg = reference.maxsim_padded_with_argmax(Qr, Dr, ql, dl, normalize=normalize)
+    rs.backward(grad.double())
+    q_mask = torch.arange(Lq, device=device) < ql.long()[:, None]
+    d_mask = torch.arange(Ld, device=device) < dl.long()[..., None]
+    inp = Inputs("candidates", queries, documents, q_mask, d_mask)
+    assert_scores_close(s.detach(), rs.detach(), dtype=dtype, magnitude=score_magnitude(inp, normalize, (B, K)))
+    qk, dk = unambiguous_tokens(inp, normalize, GAP_TOL[dtype])
+    # padding gets exactly zero gradient; real tokens match the reference
+    for name, g in (("dQ", Q.grad), ("dD", D.grad)):
+        assert g is not None, f"{name}: no gradient"
+    pad_q, pad_d = ~q_mask.cpu(), ~d_mask.cpu()
+    assert not bool(Q.grad.cpu()[pad_q].any()), "dQ: non-zero gradient on query padding"
+    assert not bool(D.grad.cpu()[pad_d].any()), "dD: non-zero gradient on document padding"
+    assert_grads_close(Q.grad, Qr.grad, dtype=dtype, keep=qk[..., None].expand(Q.shape), what="dQ")
+    assert_grads_close(D.grad, Dr.grad, dtype=dtype, keep=dk[..., None].expand(D.shape), what="dD")
+    assert_argmax_matches(arg, rarg, inp, normalize=normalize, exact=False)
+
+    # the padding's values do not matter
+    noise = randn(queries.shape, seed=seed_of(case, "noise"), dtype=dtype, device=device) * 10
+    q2 = torch.where(q_mask[..., None], queries, noise)
+    d2 = torch.where(d_mask[..., None], documents, noise[:, None, :1].expand_as(documents))
+    with torch.no_grad():
+        s2 = maxsim.maxsim_padded(q2, d2, ql, dl, normalize=normalize)
+    torch.testing.assert_close(s2, s.detach(), rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------
+# maxsim_with_argmax (dense layouts) and return_argmax=True of maxsim / maxsim_pairs
+
+# (layout, n, m, Lq, Ld, dim, masks, normalize, dtype)
+ARGMAX_CASES = [
+    (("cross", 1, 3, 7, 33, 16, "empty", False, "fp32"), True),
+    (("pairs", 2, 0, 33, 16, 8, None, False, "bf16"), True),
+    (("cross", 2, 3, 7, 33, 16, "empty", False, "fp32"), False),
+    (("candidates", 2, 2, 17, 65, 32, "holes", True, "fp16"), False),
+    (("cross", 1, 2, 129, 5, 16, "holes", True, "bf16"), False),
+    (("candidates", 3, 1, 1, 1, 64, "empty", False, "fp32"), False),
+]
+
+
+def _argmax_call(layout, Q, D, q_mask, d_mask, *, normalize, via):
+    if via == "with_argmax":
+        if layout == "pairs":  # maxsim_with_argmax has maxsim's layouts: pairs go through maxsim_pairs
+            return maxsim.maxsim_pairs(Q, D, q_mask, d_mask, normalize=normalize, return_argmax=True)
+        return maxsim.maxsim_with_argmax(Q, D, q_mask, d_mask, normalize=normalize)
+    fn = maxsim.maxsim_pairs if layout == "pairs" else maxsim.maxsim
+    return fn(Q, D, q_mask, d_mask, normalize=normalize, return_argmax=True)
+
+
+@pytest.mark.parametrize("case,keep", ARGMAX_CASES, ids=[f"{c[0][0]}-{c[0][-1]}" for c in ARGMAX_CASES])
+def test_with_argmax(case, keep, backend, device):
+    keep_under_interpreter(keep, backend, device)
+    layout, n, m, lq, ld, dim, masks, normalize, dt = case
+    dtype = DTYPES[dt]
+    inp = make_inputs(layout, n, m, lq, ld, dim, dtype=dtype, device=device, masks=masks, seed=seed_of(case))
+    Q = inp.Q.detach().requires_grad_()
+    D = inp.D.detach().requires_grad_()
+    s, arg = _argmax_call(layout, Q, D, inp.q_mask, inp.d_mask, normalize=normalize, via="with_argmax")
+    grad = upstream_grad(s.shape, seed=seed_of(case, "grad"), device=s.device)
+    s.backward(grad)
+    Qr = inp.Q.detach().double().requires_grad_()
+    Dr = inp.D.detach().double().requires_grad_()
+    if layout == "pairs":
+        dm = None if inp.d_mask is None else inp.d_mask[:, None]
+        rs, rarg = reference.scores_and_argmax(Qr, Dr[:, None], inp.q_mask, dm, normalize=normalize)
+        rs, rarg = rs[:, 0], rarg[:, 0]
+    else:
+        rs, rarg = reference.maxsim_with_argmax(Qr, Dr, inp.q_mask, inp.d_mask, normalize=normalize)
+    rs.backward(grad.double())
+    assert_scores_close(s.detach(), rs.detach(), dtype=dtype, magnitude=score_magnitude(inp, normalize, rs.shape))
+    qk, dk = unambiguous_tokens(inp, normalize, GAP_TOL[dtype])
+    assert_grads_close(Q.grad, Qr.grad, dtype=dtype, keep=qk[..., None].expand(Q.shape), what="dQ")
+    assert_grads_close(D.grad, Dr.grad, dtype=dtype, keep=dk[..., None].expand(D.shape), what="dD")
+    assert_argmax_matches(arg, rarg, inp, normalize=normalize, exact=False)
+    if layout != "pairs" and not interpreted(backend, device):
+        # maxsim(..., return_argmax=True) is the same function
+        s2, arg2 = _argmax_call(layout, inp.Q, inp.D, inp.q_mask, inp.d_mask, normalize=normalize, via="kwarg")
+        assert torch.equal(arg2, arg), "maxsim(return_argmax=True) and maxsim_with_argmax disagree on the argmax"
+        torch.testing.assert_close(s2, s.detach(), rtol=0, atol=0)
+
+
+def test_with_argmax_exact_ties_squeezed(backend, device):
+    """Integer-valued tokens (exact ties -> lowest index) with a 2-D query: argmax ``[Nd, Lq]``."""
+    inp = make_inputs("cross", 1, 2, 9, 12, 4, device=device, masks="holes", exact=True, seed=11)
+    D, d_mask = inp.D.clone(), inp.d_mask.clone()
+    D[:, 7], d_mask[:, 3], d_mask[:, 7] = D[:, 3], True, True  # a planted duplicate on top of the natural ties
+    inp = inp.with_(Q=inp.Q[0], q_mask=inp.q_mask[0], D=D, d_mask=d_mask)
+    s, arg = maxsim.maxsim_with_argmax(inp.Q, inp.D, inp.q_mask, inp.d_mask)
+    rs, rarg = reference.maxsim_with_argmax(inp.Q.double(), inp.D.double(), inp.q_mask, inp.d_mask)
+    assert tuple(arg.shape) == (2, 9)
+    torch.testing.assert_close(s.double(), rs, rtol=0, atol=0)
+    assert_argmax_matches(arg, rarg, inp, normalize=False, exact=True)
+    sim, _ = similarities(inp, False)
+    best = sim.amax(-1, keepdim=True)
+    assert bool(((sim == best).sum(-1) > 1).any()), "the case has no exact tie"
+
+
+# ----------------------------------------------------------------------------------------------------
+# bad inputs
+
+DIM = 8
+
+
+def _word(s: str) -> str:
+    return rf"(?<![A-Za-z0-9_]){re.escape(s)}(?![A-Za-z0-9_])"
+
+
+def _error_cases(device):
+    """name -> (callable, accepted exception types, regexes that must all be in the message)."""
+    Q = randn((5, DIM), seed=1, device=device)
+    D = randn((7, DIM), seed=2, device=device)
+
+    def t(v, dtype=torch.int32):
+        return torch.tensor(v, dtype=dtype, device=device)
+
+    cq, cd = t([0, 2, 5]), t([0, 3, 3, 7])
+    pq, pd = t([1, 0, 1]), t([2, 2, 0])
+
+    def vl(cu_q=cq, cu_d=cd, **kw):
+        return lambda: maxsim.maxsim_varlen(Q, D, cu_q, cu_d, **kw)
+
+    def pv(pair_q=pq, pair_d=pd, cu_q=cq, cu_d=cd, **kw):
+        return lambda: maxsim.maxsim_pairs_varlen(Q, D, cu_q, cu_d, pair_q, pair_d, **kw)
+
+    given = dict(max_seqlen_q=3, max_seqlen_d=4)
+    V, T = (ValueError,), (TypeError, ValueError)
+    queries = randn((2, 4, DIM), seed=3, device=device)
+    documents = randn((2, 3, 6, DIM), seed=4, device=device)
+    ql, dl = t([4, 1]), t([[6, 0, 2], [1, 6, 3]])
+
+    def pd_(q_len=ql, d_len=dl):
+        return lambda: maxsim.maxsim_padded(queries, documents, q_len, d_len)
+
+    cases = {
+        # dtypes / ranks of the offsets (no sync needed: always checked)
+        "cu_seqlens_q-float": (vl(cu_q=cq.float(), **given), T, [_word("cu_seqlens_q")]),
+        "cu_seqlens_d-float": (vl(cu_d=cd.double(), **given), T, [_word("cu_seqlens_d")]),
+        "cu_seqlens_q-2d": (vl(cu_q=cq[None], **given), V, [_word("cu_seqlens_q")]),
+        "cu_seqlens_d-0d": (vl(cu_d=cd[0], **given), V, [_word("cu_seqlens_d")]),
+        "pairs-cu_seqlens_q-float": (pv(cu_q=cq.float(), **given), T, [_word("cu_seqlens_q")]),
+        # offsets' values, validate=True
+        "cu_seqlens_q-start": (vl(cu_q=t([1, 2, 5]), validate=True, **given), V, [_word("cu_seqlens_q")]),
+        "cu_seqlens_q-decreasing": (vl(cu_q=t([0, 3, 2, 5]), validate=True, **given), V, [_word("cu_seqlens_q")]),
+        "cu_seqlens_q-end-short": (vl(cu_q=t([0, 2, 4]), validate=True, **given), V, [_word("cu_seqlens_q")]),
+        "cu_seqlens_q-end-long": (vl(cu_q=t([0, 2, 6], torch.int64), validate=True), V, [_word("cu_seqlens_q")]),
+        "cu_seqlens_d-start": (vl(cu_d=t([2, 3, 3, 7]), validate=True, **given), V, [_word("cu_seqlens_d")]),
+        "cu_seqlens_d-decreasing": (vl(cu_d=t([0, 4, 3, 7]), validate=True), V, [_word("cu_seqlens_d")]),
+        "cu_seqlens_d-end": (vl(cu_d=t([0, 3, 3, 6]), validate=True, **given), V, [_word("cu_seqlens_d")]),
+        # validate=None validates when max_seqlen_* are omitted (the sync happens anyway)
+        "cu_seqlens_q-default-validate": (vl(cu_q=t([0, 3, 2, 5])), V, [_word("cu_seqlens_q")]),
+        "pairs-cu_seqlens_d-end": (pv(cu_d=t([0, 3, 3, 8]), validate=True, **given), V, [_word("cu_seqlens_d")]),
+        # pair ids
+        "pair_q-out-of-range": (pv(pair_q=t([0, 2, 1]), validate=True, **given), V, [_word("pair_q")]),
+        "pair_d-out-of-range": (pv(pair_d=t([0, 3, 1]), validate=True, **given), V, [_word("pair_d")]),
+        "pair_d-negative": (pv(pair_d=t([0, -1, 1], torch.int64), validate=True), V, [_word("pair_d")]),
+        "pair-lengths-differ": (pv(pair_d=t([0, 1]), **given), V, [r"pair_q|pair_d"]),
+        "pair_q-float": (pv(pair_q=pq.float(), **given), T, [_word("pair_q")]),
+        "pair_d-2d": (pv(pair_d=pd[None], **given), V, [_word("pair_d")]),
+        # tokens
+        "varlen-Q-3d": (lambda: maxsim.maxsim_varlen(Q[None], D, cq, cd, **given), V, [_word("Q")]),
+        "varlen-dim": (
+            lambda: maxsim.maxsim_varlen(Q, randn((7, 16), seed=5, device=device), cq, cd, **given),
+            V,
+            [_word("16"), _word("8")],
+        ),
+        # lengths of maxsim_padded
+        "query_lengths-shape": (pd_(q_len=t([4, 1, 2])), V, [_word("query_lengths")]),
+        "query_lengths-2d": (pd_(q_len=ql[:, None]), V, [_word("query_lengths")]),
+        "doc_lengths-1d": (pd_(d_len=t([6, 1])), V, [_word("doc_lengths")]),
+        "doc_lengths-shape": (pd_(d_len=t([[6, 0, 2, 1], [1, 6, 3, 1]])), V, [_word("doc_lengths")]),
+        "query_lengths-float": (pd_(q_len=ql.float()), T, [_word("query_lengths")]),
+    }
+    return cases
+
+
+ERROR_NAMES = list(_error_cases("cpu"))
+
+
+@pytest.mark.parametrize("name", ERROR_NAMES)
+def test_bad_input_is_rejected(name, backend, device):
+    fn, exc, patterns = _error_cases(device)[name]
+    with pytest.raises(exc) as info:
+        fn()
+    msg = str(info.value)
+    missing = [p for p in patterns if not re.search(p, msg)]
+    assert not missing, f"message {msg!r} lacks {missing}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# the reference itself: the ragged references agree with per-pair dense reference calls
+
+
+def test_reference_ragged_matches_dense_loops():
+    g = torch.Generator().manual_seed(5)
+    q_lens, d_lens = (3, 0, 7, 1), (0, 5, 2, 9)
+    cq, cd = offsets(q_lens, "int64", "cpu"), offsets(d_lens, "int32", "cpu")
+    Q = torch.randn(sum(q_lens), 6, generator=g, dtype=torch.float64, requires_grad=True)
+    D = torch.randn(sum(d_lens), 6, generator=g, dtype=torch.float64, requires_grad=True)
+    pairs = [(2, 3), (0, 1), (2, 3), (1, 0), (3, 2), (0, 0)]
+    pq, pd = torch.tensor([p[0] for p in pairs]), torch.tensor([p[1] for p in pairs])
+    cql, cdl = cq.tolist(), cd.tolist()
+    for normalize in (False, True):
+        s, arg = reference.maxsim_varlen_with_argmax(Q, D, cq, cd, max_seqlen_q=9, normalize=normalize)
+        ps, parg = reference.maxsim_pairs_varlen_with_argmax(Q, D, cq, cd, pq, pd, normalize=normalize)
+        assert arg.shape == (4, 4, 9) and parg.shape == (6, 7)
+        for i, j in itertools.product(range(4), range(4)):
+            qi, dj = Q[cql[i] : cql[i + 1]], D[cdl[j] : cdl[j + 1]]
+            es, ea = reference.maxsim_with_argmax(qi, dj[None], normalize=normalize)
+            torch.testing.assert_close(s[i, j], es[0])
+            assert arg[i, j, : q_lens[i]].tolist() == ea[0].tolist()
+            assert (arg[i, j, q_lens[i] :] == -1).all()
+            if d_lens[j] == 0:
+                assert s[i, j] == 0 and (arg[i, j] == -1).all()
+        for p, (i, j) in enumerate(pairs):
+            torch.testing.assert_close(ps[p], s[i, j])
+            assert torch.equal(parg[p], arg[i, j, :7])
+        # gradients: the pair list equals the matching weighted sum of the cross product
+        w = torch.randn(len(pairs), generator=g, dtype=torch.float64)
+        gq, gd = torch.autograd.grad((ps * w).sum(), (Q, D))
+        wc = torch.zeros(4, 4, dtype=torch.float64).index_put_((pq, pd), w, accumulate=True)
+        eq, ed = torch.autograd.grad((s * wc).sum(), (Q, D))
+        torch.testing.assert_close(gq, eq)
+        torch.testing.assert_close(gd, ed)
+    # padded = masked dense
+    qs = torch.randn(2, 4, 6, generator=g, dtype=torch.float64)
+    ds = torch.randn(2, 3, 5, 6, generator=g, dtype=torch.float64)
+    ql, dl = torch.tensor([4, 0]), torch.tensor([[5, 0, 2], [1, 5, 3]])
+    s, arg = reference.maxsim_padded_with_argmax(qs, ds, ql, dl)
+    es, ea = reference.maxsim_with_argmax(qs, ds, torch.arange(4) < ql[:, None], torch.arange(5) < dl[..., None])
+    torch.testing.assert_close(s, es)
+    assert torch.equal(arg, ea)
+    assert (s[1] == 0).all() and (s[:, 1][:1] == 0).all()
+
+
+# ----------------------------------------------------------------------------------------------------
+# CUDA: no hidden host syncs when max_seqlen_* are given
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["fast", "deterministic"])
+@pytest.mark.parametrize("fn", ["varlen", "pairs"])
+def test_ragged_no_host_sync(fn, mode):
+    """Forward + backward with ``max_seqlen_*`` given and ``validate`` left default never synchronize."""
+    pairs = None if fn == "varlen" else tuple(((3 * i) % 5, (7 * i) % 6) for i in range(20))
+    lens = dict(q_lens=(17, 0, 33, 129, 5), d_lens=(64, 1, 0, 200, 31, 16))
+    case = Ragged(**lens, pairs=pairs, dim=128, dtype="bf16", backward=mode, return_argmax=False)
+    b = build(case, "cuda")
+    Q = b.Q.detach().requires_grad_()
+    D = b.D.detach().requires_grad_()
+    shape = lib_call(case, b).shape
+    grad = upstream_grad(shape, seed=2, device="cuda")
+    for _ in range(2):  # warm-up: compilation, caches
+        lib_call(case, b, Q, D).backward(grad)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError):  # the detector is on: a real sync is caught
+            torch.ones(1, device="cuda").item()
+        s = lib_call(case, b, Q, D)
+        s.backward(grad)
+        with torch.no_grad():
+            lib_call(case, b)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()

@@ -1,0 +1,117 @@
+"""Compile every kernel variant the launch code asks for, for a Hopper GPU, on a machine without one.
+
+The launch functions run on small CPU tensors with the launcher replaced by a compiler call (Triton's front end and
+ptxas, for ``sm_90``), so type and shape errors of the kernels show up here instead of on a lent GPU. Nothing is
+executed. Usage: ``python tools/compile_check.py [--full]`` (front end only, or the whole pipeline through ptxas);
+exit status 1 if a variant fails.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+
+import torch
+import triton
+from triton._C.libtriton import ir
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
+
+from maxsim.kernels import launch, launcher
+from maxsim.layout import Ragged
+
+TARGET = GPUTarget("cuda", 90, 32)
+_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
+          torch.int64: "i64", torch.uint8: "u8"}  # fmt: skip
+FULL = "--full" in sys.argv
+seen: dict = {}
+failures: list[str] = []
+
+
+def front_end(src: ASTSource, options: dict) -> None:
+    """Triton's front end only (Python AST -> TTIR): where type and shape errors are raised; seconds faster than a
+    full compile per variant."""
+    backend = make_backend(TARGET)
+    opts = backend.parse_options(options)
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    src.make_ir(TARGET, opts, backend.get_codegen_implementation(opts), backend.get_module_map(), context)
+
+
+def fake_call(self, grid, tensors, ints, constexprs, num_warps, num_stages=3):
+    kernel = self.kernel
+    names = kernel.arg_names
+    sig = {}
+    for name, t in zip(names, tensors, strict=False):
+        sig[name] = "*" + _TYPES[t.dtype]
+    for name, v in zip(names[len(tensors) :], ints, strict=False):
+        sig[name] = "i32" if -(2**31) <= v < 2**31 else "i64"
+    for name in constexprs:
+        sig[name] = "constexpr"
+    key = (kernel.__name__, tuple(sig.items()), tuple(constexprs.items()), num_warps, num_stages)
+    if key in seen:
+        return
+    t0 = time.perf_counter()
+    try:
+        src = ASTSource(kernel, sig, constexprs)
+        options = {"num_warps": num_warps, "num_stages": num_stages}
+        if FULL:
+            triton.compile(src, target=TARGET, options=options)
+        else:
+            front_end(src, options)
+        seen[key] = time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001
+        seen[key] = -1
+        failures.append(f"{kernel.__name__} {constexprs}: {e}")
+        traceback.print_exc()
+
+
+def offsets(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+
+
+def main() -> None:
+    launcher.Launcher.__call__ = fake_call
+    launcher.INTERPRETER = False
+    launch.INTERPRETER = False
+    for dt in (torch.bfloat16, torch.float32):
+        for normalize in (False, True):
+            for lq, dim in ((32, 128), (8, 64), (200, 128), (32, 256)):
+                Q = torch.randn(4, lq, dim, dtype=dt)
+                for D in (torch.randn(1, 5, 40, dim, dtype=dt), torch.randn(4, 3, 40, dim, dtype=dt)):
+                    for masks in (False, True):
+                        qm = torch.ones(Q.shape[:2], dtype=torch.bool) if masks else None
+                        dm = torch.ones(D.shape[:3], dtype=torch.bool) if masks else None
+                        s, a = launch.forward(Q, D, qm, dm, normalize, True)
+                        launch.forward(Q, D, qm, dm, normalize, False)
+                        a = torch.zeros(Q.shape[0], D.shape[1], lq, dtype=torch.int32)
+                        g = torch.ones(Q.shape[0], D.shape[1])
+                        for det in (False, True):
+                            launch.backward(g, Q, D, a, normalize, det)
+                # ragged: varlen cross, pair list, padded with lengths
+                cu_q, cu_d = offsets([3, lq, 1, 0]), offsets([5, 40, 0, 7, 9])
+                Qp, Dp = torch.randn(int(cu_q[-1]), dim, dtype=dt), torch.randn(int(cu_d[-1]), dim, dtype=dt)
+                pq, pd = torch.tensor([0, 1, 3]), torch.tensor([4, 1, 1])
+                for rg in (Ragged(cu_q, cu_d, None, None, lq, 40), Ragged(cu_q, cu_d, pq, pd, lq, 40)):
+                    s, a = launch.forward(Qp, Dp, None, None, normalize, True, rg)
+                    a = torch.zeros(s.shape + (lq,), dtype=torch.int32)
+                    for det in (False, True):
+                        launch.backward(torch.ones(s.shape), Qp, Dp, a, normalize, det, rg)
+                Dc = torch.randn(4, 3, 40, dim, dtype=dt)
+                rg = Ragged(torch.full((4,), 2), torch.full((4, 3), 9), None, None, lq, 40)
+                s, a = launch.forward(Q, Dc, None, None, normalize, True, rg)
+                launch.backward(torch.ones(s.shape), Q, Dc, a, normalize, False, rg)
+    ok = sum(1 for v in seen.values() if v >= 0)
+    secs = sum(v for v in seen.values() if v > 0)
+    stage = "compiled" if FULL else "front end of"
+    print(f"{stage} {ok} variants for sm_90, {len(failures)} failed, {secs:.0f} s")
+    for f in failures:
+        print("FAILED:", f[:2000])
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
