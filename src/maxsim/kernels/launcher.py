@@ -47,7 +47,7 @@ class Launcher:
         # dtypes and 16-byte alignment, the constexprs and the launch options.
         key = (
             device, num_warps, num_stages, ints, tuple(constexprs.values()),
-            tuple(t.dtype for t in tensors), tuple(t.data_ptr() & 15 for t in tensors),
+            tuple([(t.dtype, t.data_ptr() & 15) for t in tensors]),
         )  # fmt: skip
         hooks = knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
         hit = None if hooks else self._known.get(key)
