@@ -3,10 +3,16 @@
 Covers the workload table, inputs, the fp32 reference and the correctness judge (FAIL marking, tie-robust
 gradient check), the roofline and ratio arithmetic, the skipping of missing peers, the JSON schema and the
 outputs, and the command line in-process on a tiny subset. The full ``--quick`` run is marked slow.
+
+Ragged workloads (``varlen``, ``pairlist``): the table, the seeded length draws, the counts, the padded and
+per-pair layouts other implementations run on (and the maps of their outputs back), the ragged fp32 reference,
+the ``vs padded`` ratio, the schema's optional fields, and a ``--quick`` run through the real ragged functions on
+the "torch" backend.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -16,8 +22,8 @@ import torch
 
 import maxsim
 from maxsim import reference as ref_impl
-from maxsim.bench import peers, report, runner, workloads
-from maxsim.bench.peers import EagerImpl, Impl, MaxsimImpl
+from maxsim.bench import peers, ragged, report, runner, workloads
+from maxsim.bench.peers import EagerImpl, Impl, MaxsimImpl, MaxsimPaddedImpl
 from maxsim.bench.runner import Roofline, Row, compute_ratios, judge, make_call, roofline_floor
 from maxsim.bench.workloads import Workload, make_inputs, select
 from maxsim.cli import main
@@ -63,9 +69,10 @@ ISSUE_3 = {
 
 
 def test_workload_table_matches_issue():
-    got = {(w.mode, w.layout, w.nq, w.nd, w.lq, w.ld, w.dim) for w in workloads.WORKLOADS}
+    dense = [w for w in workloads.WORKLOADS if not w.ragged]
+    got = {(w.mode, w.layout, w.nq, w.nd, w.lq, w.ld, w.dim) for w in dense}
     assert got == ISSUE_3
-    assert len(workloads.WORKLOADS) == len(ISSUE_3)
+    assert len(dense) == len(ISSUE_3)
     keys = [w.key for w in workloads.WORKLOADS]
     assert len(set(keys)) == len(keys)
     assert all(w.note for w in workloads.WORKLOADS)
@@ -107,7 +114,7 @@ def test_quick_keeps_names_and_shrinks():
 
 def test_select_modes_patterns_and_errors():
     assert {w.mode for w in select("infer")} == {"infer"}
-    assert len(select("train")) == 8 and len(select("infer")) == 10
+    assert len(select("train")) == 8 + 3 and len(select("infer")) == 10 + 4  # dense + ragged
     both = select("all", ["cross-32x32-lq32-ld80"])
     assert [w.key for w in both] == ["infer/cross-32x32-lq32-ld80", "train/cross-32x32-lq32-ld80"]
     assert [w.key for w in select("all", ["train/cross-32x32-lq32-ld80"])] == ["train/cross-32x32-lq32-ld80"]
@@ -572,6 +579,9 @@ def test_cli_full_quick_run_under_two_minutes(tmp_path, capsys):
     ours = [r for r in doc["rows"] if r["impl"] == "maxsim"]
     assert len(ours) == len(workloads.WORKLOADS) and all(r["status"] == "ok" for r in ours)
     assert all(r["vs_eager"] is not None and math.isfinite(r["vs_eager"]) for r in ours)
+    padded = [r for r in doc["rows"] if r["impl"] == "maxsim-padded"]  # ragged workloads only
+    assert len(padded) == sum(w.ragged for w in workloads.WORKLOADS) and all(r["status"] == "ok" for r in padded)
+    assert all(r["vs_padded"] > 0 for r in ours if r["layout"] in workloads.RAGGED_LAYOUTS)
     assert elapsed < 120, f"--quick took {elapsed:.0f} s"
 
 
@@ -602,3 +612,377 @@ def test_cli_quick_on_gpu(tmp_path, capsys):
             assert r["reason"]
     ours = [r for r in doc["rows"] if r["impl"] == "maxsim"]
     assert all(r["status"] == "ok" for r in ours)
+
+
+# ---- ragged workloads ----------------------------------------------------------------------------------------------
+# (mode, layout, Nq, Nd or K, Lq min, Lq max, Ld min, Ld max, pool): 0 = fixed length / dense-equivalent pool.
+RAGGED_TABLE = {
+    ("infer", "varlen", 64, 256, 8, 32, 20, 1000, 0),
+    ("infer", "varlen", 32, 8192, 8, 32, 20, 1000, 0),
+    ("infer", "pairlist", 32, 100, 0, 32, 0, 256, 0),
+    ("infer", "pairlist", 32, 100, 8, 32, 20, 1000, 2048),
+    ("train", "varlen", 64, 256, 8, 32, 20, 1000, 0),
+    ("train", "pairlist", 64, 32, 0, 32, 0, 180, 0),
+    ("train", "pairlist", 64, 32, 8, 32, 20, 1000, 1024),
+}
+
+
+def _ragged_stand_in() -> MaxsimImpl:
+    """The ragged entry points on the reference loops (they take no ``max_seqlen_*``)."""
+
+    def varlen(Q, D, cu_q, cu_d, *, max_seqlen_q, max_seqlen_d):
+        return ref_impl.maxsim_varlen(Q, D, cu_q, cu_d)
+
+    def pairs_varlen(Q, D, cu_q, cu_d, pair_q, pair_d, *, max_seqlen_q, max_seqlen_d):
+        return ref_impl.maxsim_pairs_varlen(Q, D, cu_q, cu_d, pair_q, pair_d)
+
+    return MaxsimImpl(cross=ref_impl.maxsim, pairs=ref_impl.maxsim_pairs, varlen=varlen, pairs_varlen=pairs_varlen)
+
+
+def _tiny_ragged(mode: str, layout: str, skewed: bool = True) -> Workload:
+    """varlen 3x5; pairlist 3 queries x 4 candidates from a pool of 6 (skewed) or 12 (dense-equivalent)."""
+    nd = 5 if layout == "varlen" else 4
+    kw = {"lq_min": 2, "ld_min": 3} if skewed else {}
+    if layout == "pairlist" and skewed:
+        kw["pool"] = 6
+    return Workload(mode=mode, layout=layout, nq=3, nd=nd, lq=6, ld=9, dim=16, **kw)
+
+
+RAGGED_CASES = [("varlen", True), ("pairlist", True), ("pairlist", False)]
+
+
+def test_ragged_workload_table():
+    ws = [w for w in workloads.WORKLOADS if w.ragged]
+    got = {(w.mode, w.layout, w.nq, w.nd, w.lq_min, w.lq, w.ld_min, w.ld, w.pool) for w in ws}
+    assert got == RAGGED_TABLE and len(ws) == len(RAGGED_TABLE)
+    names = {(w.mode, w.name) for w in workloads.WORKLOADS}
+    for w in ws:
+        assert w.note and w.dim == 128
+        if w.layout == "pairlist" and not w.lq_min:  # dense-equivalent: its candidates row is in the table
+            assert (w.mode, w.name.replace("pairlist", "cand")) in names
+    assert {w.name for w in select("all", ["varlen-*"])} == {
+        "varlen-64x256-lq8-32-ld20-1000",
+        "varlen-32x8192-lq8-32-ld20-1000",
+    }
+
+
+def test_ragged_names_shapes_and_validation():
+    v = Workload("train", "varlen", 64, 256, 32, 1000, lq_min=8, ld_min=20)
+    assert v.name == "varlen-64x256-lq8-32-ld20-1000" and v.ragged
+    assert v.shape() == {"Nq": 64, "Nd": 256, "Lq_min": 8, "Lq_max": 32, "Ld_min": 20, "Ld_max": 1000, "dim": 128}
+    assert v.shape_str() == "Nq=64 Nd=256 Lq=8..32 Ld=20..1000 dim=128"
+    s = ragged.structure(v)
+    assert v.q_shape() == (int(s.q_lens.sum()), 128) and v.d_shape() == (int(s.d_lens.sum()), 128)
+    assert v.out_shape() == (64, 256)
+    p = Workload("infer", "pairlist", 32, 100, 32, 256)
+    assert p.name == "pairlist-32x100-lq32-ld256"
+    assert p.shape() == {"Nq": 32, "K": 100, "pool": 3200, "P": 3200, "Lq": 32, "Ld": 256, "dim": 128}
+    assert p.out_shape() == (3200,) and p.d_shape() == (3200 * 256, 128)
+    q = Workload("infer", "pairlist", 32, 100, 32, 1000, lq_min=8, ld_min=20, pool=2048)
+    assert q.name == "pairlist-32x100-lq8-32-ld20-1000-pool2048" and q.shape()["pool"] == 2048
+    assert not Workload("infer", "cross", 2, 2, 4, 4).ragged
+    for bad in (
+        {"layout": "cross", "lq_min": 2},  # ragged fields on a dense layout
+        {"layout": "varlen", "lq_min": 40},  # min above max
+        {"layout": "varlen", "pool": 8},  # pool on varlen
+        {"layout": "pairlist", "pool": 3},  # pool smaller than K
+    ):
+        with pytest.raises(ValueError):
+            Workload(mode="infer", nq=4, nd=5, lq=32, ld=64, **bad)
+
+
+def test_length_distribution_is_skewed_and_clipped():
+    lens = ragged.draw_lengths(100_000, 20, 1000, torch.Generator().manual_seed(0)).double()
+    assert lens.min() == 20 and lens.max() == 1000 and torch.equal(lens, lens.round())
+    assert 74 <= lens.median() <= 84  # median 20 * 50^0.35 = 79
+    assert 110 <= lens.mean() <= 140  # mean well above the median: a long right tail
+    assert 0.05 < (lens == 20).double().mean() < 0.11 and 0.002 < (lens == 1000).double().mean() < 0.01
+    fixed = ragged.draw_lengths(7, 0, 256, torch.Generator())
+    assert torch.equal(fixed, torch.full((7,), 256))
+
+
+def test_ragged_lengths_seeded_by_name_and_deterministic():
+    full = {w.key: w for w in workloads.WORKLOADS if w.ragged}
+    v = full["train/varlen-64x256-lq8-32-ld20-1000"]
+    s = ragged.structure(v)
+    assert s.q_lens.min() >= 8 and s.q_lens.max() <= 32 and s.d_lens.min() >= 20 and s.d_lens.max() <= 1000
+    assert s.d_lens.double().median() < s.d_lens.double().mean() < 0.3 * s.d_lens.max()
+    assert v.ragged_stats()["padding"] > 3  # padding to the batch maximum multiplies the work
+    ragged.structure.cache_clear()  # recomputed from the seed: identical
+    again = ragged.structure(v)
+    assert again is not s and torch.equal(again.q_lens, s.q_lens) and torch.equal(again.d_lens, s.d_lens)
+    same_in_infer = ragged.structure(full["infer/varlen-64x256-lq8-32-ld20-1000"])
+    assert torch.equal(same_in_infer.d_lens, s.d_lens)  # the same case in both modes
+    other = ragged.structure(full["infer/varlen-32x8192-lq8-32-ld20-1000"])
+    assert not torch.equal(other.d_lens[:256], s.d_lens)
+    # pair lists: a shuffled permutation of the (query, candidate) slots, K distinct candidates per query
+    for key in ("infer/pairlist-32x100-lq32-ld256", "train/pairlist-64x32-lq8-32-ld20-1000-pool1024"):
+        w = full[key]
+        p = ragged.structure(w)
+        n = w.nq * w.nd
+        assert torch.equal(p.slot.sort().values, torch.arange(n)) and not torch.equal(p.slot, torch.arange(n))
+        assert torch.equal(p.pair_q, p.slot // w.nd) and torch.equal(p.pair_d, p.cand.reshape(-1)[p.slot])
+        assert all(len(set(row)) == w.nd for row in p.cand.tolist())
+        if w.pool:  # a shared pool: documents recur across queries
+            assert len(p.d_lens) == w.pool and len(set(p.pair_d.tolist())) < n
+        else:  # dense-equivalent: every document is exactly one pair's
+            assert torch.equal(p.pair_d.sort().values, torch.arange(n)) and set(p.d_lens.tolist()) == {w.ld}
+
+
+def test_ragged_counts_by_brute_force():
+    for layout, skewed in RAGGED_CASES:
+        w = _tiny_ragged("infer", layout, skewed)
+        s = ragged.structure(w)
+        if layout == "varlen":
+            pairs = [(i, j) for i in range(w.nq) for j in range(w.nd)]
+        else:
+            pairs = list(zip(s.pair_q.tolist(), s.pair_d.tolist(), strict=True))
+        lq, ld = s.q_lens.tolist(), s.d_lens.tolist()
+        used = sorted({j for _, j in pairs})
+        assert w.n_pairs() == len(pairs) == math.prod(w.out_shape())
+        assert w.sims() == sum(lq[i] * ld[j] for i, j in pairs)
+        assert w.pair_rows() == sum(lq[i] for i, _ in pairs)
+        assert w.q_tokens() == sum(lq) and w.d_tokens() == sum(ld[j] for j in used)
+        assert w.padded_sims() == w.nq * w.nd * max(lq) * max(ld[j] for j in used)
+        stats = w.ragged_stats()
+        assert stats["padding"] == pytest.approx(w.padded_sims() / w.sims(), rel=1e-3)
+        assert stats["dist"] == ("lognormal" if skewed else "fixed")
+
+
+def test_ragged_quick_shapes():
+    for w in (w for w in workloads.WORKLOADS if w.ragged):
+        q = w.quick()
+        assert (q.key, q.layout, q.dim) == (w.key, w.layout, w.dim)
+        assert q.nq <= 4 and q.nd <= 16 and q.lq <= 8 and q.ld <= 125 and q.padded_sims() <= 4 * 16 * 8 * 125
+        assert bool(q.lq_min) == bool(w.lq_min) and bool(q.pool) == bool(w.pool)
+        assert q.pool == 0 or q.nd <= q.pool < q.n_pairs()  # still a shared pool with recurring documents
+        s = ragged.structure(q)
+        assert s.q_lens.max() <= q.lq and s.d_lens.max() <= q.ld and s.q_lens.min() >= max(1, q.lq_min)
+
+
+def test_ragged_inputs():
+    w = _tiny_ragged("train", "pairlist")
+    a = make_inputs(w, CPU, torch.bfloat16, seed=3)
+    b = make_inputs(w, CPU, torch.bfloat16, seed=3)
+    c = make_inputs(w, CPU, torch.bfloat16, seed=4)
+    s, r = ragged.structure(w), a.ragged
+    assert a.Q.shape == w.q_shape() and a.D.shape == w.d_shape() and a.grad_out.shape == (12,)
+    assert a.Q.dtype == torch.bfloat16 and a.grad_out.dtype == torch.float32
+    assert r.cu_seqlens_q.dtype == r.cu_seqlens_d.dtype == r.pair_q.dtype == r.pair_d.dtype == torch.int32
+    assert r.cu_seqlens_q.tolist() == [0, *s.q_lens.cumsum(0).tolist()]
+    assert r.cu_seqlens_d[-1] == a.D.shape[0] and r.max_seqlen_d == int(s.d_lens.max())
+    assert isinstance(r.max_seqlen_q, int) and r.pair_q.tolist() == s.pair_q.tolist()
+    assert r.doc_of_token.tolist() == [j for j, n in enumerate(s.d_lens.tolist()) for _ in range(n)]
+    assert torch.equal(a.Q, b.Q) and torch.equal(a.D, b.D) and not torch.equal(a.Q, c.Q)
+    assert torch.equal(c.ragged.cu_seqlens_d, r.cu_seqlens_d)  # --seed changes tokens, not lengths
+    v = make_inputs(_tiny_ragged("infer", "varlen"), CPU, torch.float32)
+    assert v.ragged.pair_q is None and v.grad_out.shape == (3, 5)
+
+
+def _ragged_truth(w: Workload, inp):
+    r = inp.ragged
+    Q = inp.Q.double().requires_grad_()
+    D = inp.D.double().requires_grad_()
+    if w.layout == "varlen":
+        s = ref_impl.maxsim_varlen(Q, D, r.cu_seqlens_q, r.cu_seqlens_d)
+    else:
+        s = ref_impl.maxsim_pairs_varlen(Q, D, r.cu_seqlens_q, r.cu_seqlens_d, r.pair_q, r.pair_d)
+    dQ, dD = torch.autograd.grad(s, (Q, D), inp.grad_out.double())
+    return s, dQ, dD
+
+
+@pytest.mark.parametrize(("layout", "skewed"), RAGGED_CASES)
+@pytest.mark.parametrize("budget", [None, 1])  # budget 1 byte: one document (or pair) per chunk
+def test_ragged_reference_matches_float64_truth(layout, skewed, budget):
+    w = _tiny_ragged("train", layout, skewed)
+    inp = make_inputs(w, CPU, torch.float32)
+    ref = runner.reference(w, inp, need_grad=True, budget=budget)
+    s, dQ, dD = _ragged_truth(w, inp)
+    close = {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(ref.scores.double(), s, **close)
+    torch.testing.assert_close(ref.dQ.double(), dQ, **close)
+    torch.testing.assert_close(ref.dD.double(), dD, **close)
+    torch.testing.assert_close(ref.q_identity.double(), (dQ * inp.Q.double()).sum(-1), **close)
+    per_doc = ragged.doc_identity(inp, dD.float()).double()
+    torch.testing.assert_close(ref.d_identity.double(), per_doc, **close)
+    inf = runner.reference(dataclasses.replace(w, mode="infer"), inp, need_grad=False, budget=budget)
+    torch.testing.assert_close(inf.scores.double(), s, **close)
+    assert inf.dQ is None
+
+
+@pytest.mark.parametrize(("layout", "skewed"), RAGGED_CASES)
+@pytest.mark.parametrize("mode", ["infer", "train"])
+def test_ragged_impls_map_back_and_pass_the_judge(layout, skewed, mode):
+    """maxsim (stand-in), maxsim-padded (dense reference on padded data) and eager (padded data, masked): their
+    outputs, mapped back to the packed layout, match the reference."""
+    w = _tiny_ragged(mode, layout, skewed)
+    inp = make_inputs(w, CPU, torch.float32)
+    ref = runner.reference(w, inp, need_grad=mode == "train")
+    for impl in (_ragged_stand_in(), MaxsimPaddedImpl(dense=ref_impl.maxsim), EagerImpl()):
+        fn, ops = impl.prepare(w, inp, CPU, torch.float32)
+        out = make_call(w, fn, ops)()
+        if isinstance(ops, ragged.Operands):
+            out = ops.back(out)
+        check = judge(w, out, ref, inp, runner.TOLERANCE[torch.float32])
+        assert check.ok and check.rel_err < 1e-5, (impl.name, check)
+        assert mode == "infer" or check.grad_err < 1e-5
+    ops = ragged.padded_operands(w, inp)
+    assert ops is EagerImpl().prepare(w, inp, CPU, torch.float32)[1]  # one padded copy, shared
+    r = inp.ragged
+    if layout == "varlen":
+        assert ops.Q.shape == (3, r.max_seqlen_q, 16) and ops.D.shape == (5, r.max_seqlen_d, 16)
+    else:
+        assert ops.D.shape[:2] == (3, 4) and ops.D.dim() == 4  # candidates [Nq, K, Ld*, dim]
+    s = r.structure
+    used = s.d_lens if layout == "varlen" else s.d_lens[s.cand.reshape(-1)]
+    assert (ops.d_mask is None) == (not skewed) == (len(set(used.tolist())) == 1)
+    assert (ops.q_mask is None) == (len(set(s.q_lens.tolist())) == 1)  # masks only where something is padded
+
+
+def test_pair_packed_operands_for_aligned_pair_kernels():
+    """flash-maxsim's layout: pair p = query segment p against document segment p, gathered before timing."""
+    w = _tiny_ragged("train", "pairlist")
+    inp = make_inputs(w, CPU, torch.float64)
+    ops = ragged.pair_packed_operands(w, inp)
+    x, P = ops.extra, w.n_pairs()
+    aligned = torch.arange(P)
+    got = ref_impl.maxsim_pairs_varlen(ops.Q, ops.D, x["cu_seqlens_q"], x["cu_seqlens_d"], aligned, aligned)
+    s, dQ, dD = _ragged_truth(w, inp)
+    torch.testing.assert_close(got, s)
+    # the gradient maps back to the packed tokens, summed over a document's copies
+    Qg, Dg = ops.Q.clone().requires_grad_(), ops.D.clone().requires_grad_()
+    sg = ref_impl.maxsim_pairs_varlen(Qg, Dg, x["cu_seqlens_q"], x["cu_seqlens_d"], aligned, aligned)
+    gq, gd = torch.autograd.grad(sg, (Qg, Dg), inp.grad_out.double())
+    torch.testing.assert_close(ops.dQ_back(gq).double(), dQ)
+    torch.testing.assert_close(ops.dD_back(gd).double(), dD)
+    assert x["max_seqlen_d"] == int(ragged.structure(w).d_lens[ragged.structure(w).pair_d].max())
+
+
+def test_peers_ragged_entry_points_and_forward_only_flash():
+    infer, train = _tiny_ragged("infer", "varlen"), _tiny_ragged("train", "pairlist")
+    flash = peers.FlashImpl()
+    assert flash.ragged and peers.LikImpl().ragged and EagerImpl().ragged and peers.CompileImpl().ragged
+    assert flash.unsupported(infer, CPU, torch.bfloat16) is None
+    assert "forward-only" in flash.unsupported(train, CPU, torch.bfloat16)
+    assert flash.unsupported(_tiny("train", "cross"), CPU, torch.bfloat16) is None
+    assert MaxsimPaddedImpl.ragged_only and not MaxsimImpl.ragged_only
+    assert peers.IMPL_NAMES[:2] == peers.OURS == ("maxsim", "maxsim-padded")
+    assert [i.name for i in peers.make_impls(["eager", "maxsim-padded"])] == ["maxsim-padded", "eager"]
+
+
+class _WrongRagged(MaxsimImpl):
+    name = "wrongragged"
+
+    def prepare_ragged(self, w, inp, device, dtype):
+        fn, ops = _ragged_stand_in().prepare_ragged(w, inp, device, dtype)
+        return (lambda Q, D: fn(Q, D) * 1.1), ops
+
+
+@pytest.fixture(scope="module")
+def ragged_result():
+    ws = [_tiny("infer", "cross"), _tiny_ragged("infer", "varlen"), _tiny_ragged("train", "pairlist")]
+    impls = [_ragged_stand_in(), MaxsimPaddedImpl(dense=ref_impl.maxsim), EagerImpl(), _Wrong(), _WrongRagged()]
+    res = _run(ws, [*impls, peers.FlashImpl()])
+    for r in res.rows:
+        r.floor_ms = 0.001
+    compute_ratios(res.rows)
+    return res
+
+
+def test_run_with_ragged_workloads(ragged_result):
+    rows = {(r.layout, r.impl): r for r in ragged_result.rows}
+    assert len(ragged_result.rows) == 3 * 6 - 1  # no maxsim-padded row for the dense workload
+    assert ("cross", "maxsim-padded") not in rows
+    for layout in ("varlen", "pairlist"):
+        ours, padded = rows[(layout, "maxsim")], rows[(layout, "maxsim-padded")]
+        assert ours.status == padded.status == rows[(layout, "eager")].status == "ok"
+        assert rows[(layout, "wrong")].status == "n/a" and "ragged" in rows[(layout, "wrong")].reason
+        assert rows[(layout, "wrongragged")].status == "FAIL"
+        assert rows[(layout, "flash")].status == "skipped"
+        assert ours.vs_padded == pytest.approx(padded.ms / ours.ms) and padded.vs_padded == pytest.approx(1.0)
+        assert ours.ragged["pairs"] == ours.shape["Nq"] * (ours.shape.get("Nd") or ours.shape["K"])
+        assert ours.shape.get("Lq_min") == 2
+    assert rows[("varlen", "maxsim")].grad_err is None and rows[("pairlist", "maxsim")].grad_err < 1e-5
+    assert rows[("cross", "maxsim")].ragged is None and rows[("cross", "maxsim")].vs_padded is None
+    assert rows[("cross", "wrongragged")].status == "ok"  # its dense path is MaxsimImpl's: the real maxsim.maxsim
+
+
+def test_vs_padded_and_best_peer_exclude_our_padded_path():
+    rows = [
+        _row("maxsim", 1.0),
+        _row("maxsim-padded", 0.5),  # ours: never the best peer even when fastest
+        _row("eager", 4.0),
+        _row("lik", 2.0),
+    ]
+    compute_ratios(rows)
+    ours, padded, eager, lik = rows
+    assert runner.best_peer(rows) is lik
+    assert ours.vs_best_peer == pytest.approx(2.0) and ours.vs_padded == pytest.approx(0.5)
+    assert padded.vs_best_peer == pytest.approx(4.0) and eager.vs_padded == pytest.approx(0.125)
+    dense = [_row("maxsim", 1.0, workload="v"), _row("eager", 2.0, workload="v")]
+    compute_ratios(dense)
+    assert dense[0].vs_padded is None
+
+
+def test_ragged_json_markdown_terminal_and_chart(ragged_result, tmp_path):
+    doc = report.to_json(ragged_result)
+    report.validate_json(doc)
+    back = json.loads(json.dumps(doc, allow_nan=False))
+    report.validate_json(back)
+    by = {(r["layout"], r["impl"]): r for r in back["rows"]}
+    assert by[("varlen", "maxsim")]["ragged"]["padding"] >= 1 and by[("cross", "maxsim")]["ragged"] is None
+    assert by[("varlen", "maxsim")]["vs_padded"] > 0
+    loaded = report.rows_from_json(back)
+    assert [r.vs_padded for r in loaded] == [r.vs_padded for r in ragged_result.rows]
+    # files written before the ragged fields stay valid; a wrong type is not
+    old = json.loads(json.dumps(doc))
+    for row in old["rows"]:
+        del row["vs_padded"], row["ragged"]
+    report.validate_json(old)
+    assert report.rows_from_json(old)[0].ragged is None
+    old["rows"][0]["ragged"] = "skewed"
+    with pytest.raises(ValueError, match="ragged"):
+        report.validate_json(old)
+    md = report.markdown(ragged_result)
+    assert "## Ragged inference (forward)" in md and "## Ragged training (forward + backward)" in md
+    dense_header = "| workload | shape | floor ms | maxsim | eager | flash | wrong | wrongragged | vs best peer |"
+    assert dense_header in md  # no maxsim-padded column in the dense tables
+    ragged_header = "| workload | shape | lengths (mean/max) | floor ms | maxsim | maxsim-padded | eager |"
+    assert ragged_header in md and "vs padded | vs best peer | % floor |" in md
+    assert "Lq=2..6 Ld=3..9" in md and ", pad " in md
+    table = report.terminal_table(ragged_result)
+    assert "vs padded" in table.splitlines()[2] and "maxsim-padded" in table
+    assert "vs padded" not in report.terminal_table(runner.Result(meta={}, rows=ragged_result.rows[:5]))
+    paths = report.write_outputs(ragged_result, tmp_path, log=lambda s: None)
+    assert (tmp_path / "cpu.png").read_bytes()[:4] == b"\x89PNG" and len(paths) == 3
+
+
+def test_committed_results_still_load():
+    """Outputs written before the ragged fields (benchmarks/results) still validate and render."""
+    from pathlib import Path
+
+    files = sorted((Path(__file__).resolve().parents[1] / "benchmarks" / "results").glob("*.json"))
+    for f in files:
+        res = report.load(f)
+        assert res.rows and report.markdown(res)
+
+
+def test_cli_ragged_quick_through_real_functions(tmp_path, capsys):
+    """``--quick`` ragged rows through maxsim's own ragged functions on the "torch" backend (the CPU path)."""
+    argv = ["bench", "--quick", "--device", "cpu", "--no-progress", "--rep-ms", "2", "--warmup-ms", "1"]
+    only = ["--only", "train/varlen-64x256-lq8-32-ld20-1000", "infer/pairlist-32x100-lq8-32-ld20-1000-pool2048"]
+    with maxsim.backend("torch"):
+        rc = main([*argv, *only, "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "vs padded" in out and "train/varlen-64x256-lq8-32-ld20-1000" in out
+    doc = json.loads((tmp_path / "cpu.json").read_text())
+    report.validate_json(doc)
+    ran = {(r["mode"], r["workload"], r["impl"]): r for r in doc["rows"]}
+    assert len(ran) == 2 * 6  # compile, lik, flash skipped on CPU
+    for (mode, name, impl), r in ran.items():
+        if impl in ("maxsim", "maxsim-padded", "eager"):
+            assert r["status"] == "ok" and r["ms"] > 0 and r["vs_padded"] > 0, (mode, name, impl, r["reason"])
+            assert r["ragged"]["pairs"] > 0
+        else:
+            assert r["status"] == "skipped"

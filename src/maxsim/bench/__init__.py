@@ -1,8 +1,10 @@
 """``maxsim bench``: exact MaxSim implementations timed side by side on named workloads.
 
 * :mod:`.workloads` — the named shapes (inference and training) and their random inputs;
-* :mod:`.peers` — adapters: this library, eager PyTorch, ``torch.compile``, late-interaction-kernels,
-  flash-maxsim;
+* :mod:`.ragged` — ragged workloads (``varlen``, ``pairlist``): seeded skewed lengths, packed inputs, the padded
+  and per-pair layouts other implementations run on, the ragged fp32 reference;
+* :mod:`.peers` — adapters: this library (ragged functions and, for ragged workloads, its dense path on padded
+  data: ``maxsim-padded``), eager PyTorch, ``torch.compile``, late-interaction-kernels, flash-maxsim;
 * :mod:`.runner` — correctness against an fp32 reference, timing, peak memory, roofline floor;
 * :mod:`.report` — terminal table, JSON, Markdown and PNG outputs.
 

@@ -8,11 +8,18 @@ JSON schema (``"schema": "maxsim-bench/1"``)::
                              matmul_dtype, impl_versions, tolerance, argv, quick},
      "rows": [{workload, mode, layout, note, shape, dtype, impl, card, status, reason, ms, peak_mib,
                rel_err, grad_err, grad_identity_err, flops, bytes, floor_ms, floor_frac, vs_eager,
-               vs_best_peer, torch, triton, cuda, git_commit}, ...]}
+               vs_best_peer, vs_padded, ragged, torch, triton, cuda, git_commit}, ...]}
 
 ``status`` is ``ok``, ``FAIL`` (wrong result: not ranked), ``n/a`` (the implementation does not cover the
 workload), ``skipped`` (implementation unavailable) or ``error`` (it raised). Each row repeats the versions
 and the commit so rows stay readable on their own.
+
+Ragged workloads (``layout`` ``varlen`` or ``pairlist``) were added compatibly: ``vs_padded`` (the
+``maxsim-padded`` row's ms over this row's: >1 = faster than this library's dense path on the padded data) and
+``ragged`` (the drawn lengths: ``{dist, lq_mean, lq_max, ld_mean, ld_max, pairs, q_tokens, d_tokens, sims,
+padded_sims, padding}``, ``padding`` = ``padded_sims / sims``; null for dense rows) are :data:`OPTIONAL_ROW_FIELDS`,
+absent from files written before them. A ragged ``shape`` names ranges as ``Lq_min``/``Lq_max``
+(``Ld_min``/``Ld_max``) and a pair list adds ``pool`` and ``P``.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from typing import Any
 
 from .peers import IMPL_NAMES
 from .runner import Result, Row, best_peer, group_rows
+from .workloads import RAGGED_LAYOUTS, format_shape
 
 SCHEMA = "maxsim-bench/1"
 _ROW_PROVENANCE = ("torch", "triton", "cuda", "git_commit")
@@ -56,6 +64,11 @@ ROW_FIELDS: dict[str, tuple[type, ...]] = {
     "triton": (str, type(None)),
     "cuda": (str, type(None)),
     "git_commit": (str, type(None)),
+}
+#: Fields added later (ragged workloads): always written, but absent from older files.
+OPTIONAL_ROW_FIELDS: dict[str, tuple[type, ...]] = {
+    "vs_padded": (float, int, type(None)),
+    "ragged": (dict, type(None)),
 }
 META_FIELDS = (
     "card", "device", "device_name", "dtype", "torch", "triton", "cuda", "git_commit", "date",
@@ -102,13 +115,14 @@ def validate_json(doc: dict[str, Any]) -> None:
         problems.append("rows: missing or not a list")
         rows = []
     for i, row in enumerate(rows):
-        for key, types in ROW_FIELDS.items():
+        for key, types in {**ROW_FIELDS, **OPTIONAL_ROW_FIELDS}.items():
             if key not in row:
-                problems.append(f"rows[{i}]: missing {key!r}")
+                if key in ROW_FIELDS:
+                    problems.append(f"rows[{i}]: missing {key!r}")
             elif not isinstance(row[key], types) or isinstance(row[key], bool):
                 want = [t.__name__ for t in types]
                 problems.append(f"rows[{i}].{key}: {type(row[key]).__name__} is not one of {want}")
-        extra = set(row) - set(ROW_FIELDS)
+        extra = set(row) - set(ROW_FIELDS) - set(OPTIONAL_ROW_FIELDS)
         if extra:
             problems.append(f"rows[{i}]: unknown fields {sorted(extra)}")
         if row.get("status") not in STATUSES:
@@ -120,7 +134,7 @@ def validate_json(doc: dict[str, Any]) -> None:
 
 
 def rows_from_json(doc: dict[str, Any]) -> list[Row]:
-    """Rows back from a JSON document (provenance fields dropped)."""
+    """Rows back from a JSON document (provenance fields dropped; optional fields default to None)."""
     fields = set(Row.__dataclass_fields__)
     return [Row(**{k: v for k, v in r.items() if k in fields}) for r in doc["rows"]]
 
@@ -181,9 +195,17 @@ def _table(header: list[str], body: list[list[str]], right: set[int] | None = No
 
 
 # ---- terminal ----------------------------------------------------------------------------------------------
+def _is_ragged(r: Row) -> bool:
+    return r.layout in RAGGED_LAYOUTS
+
+
 def terminal_table(result: Result) -> str:
-    """One line per (workload, implementation); skipped implementations are listed once below."""
-    header = ["workload", "impl", "ms", "peak MiB", "rel err", "vs eager", "vs best", "% floor", "status"]
+    """One line per (workload, implementation); skipped implementations are listed once below. A ``vs padded``
+    column appears when the run has ragged workloads."""
+    padded = any(_is_ragged(r) for r in result.rows)
+    header = ["workload", "impl", "ms", "peak MiB", "rel err", "vs eager", "vs best"]
+    header += ["vs padded"] if padded else []
+    header += ["% floor", "status"]
     body: list[list[str]] = []
     skipped: dict[str, str] = {}
     for (mode, name), group in group_rows(result.rows).items():
@@ -195,10 +217,12 @@ def terminal_table(result: Result) -> str:
             label = f"{mode}/{name}" if first else ""
             first = False
             err = r.rel_err if r.grad_err is None else max(r.rel_err or 0.0, r.grad_err)
-            body.append([
+            cells = [
                 label, r.impl, fmt_ms(r.ms), fmt_mib(r.peak_mib), fmt_err(err), fmt_ratio(r.vs_eager),
-                fmt_ratio(r.vs_best_peer), fmt_pct(r.floor_frac), r.status,
-            ])  # fmt: skip
+                fmt_ratio(r.vs_best_peer),
+            ]  # fmt: skip
+            cells += [fmt_ratio(r.vs_padded)] if padded else []
+            body.append([*cells, fmt_pct(r.floor_frac), r.status])
     m = result.meta
     lines = [f"card {m.get('card')} ({m.get('device_name')}), {m.get('dtype')}, torch {m.get('torch')}"]
     if m.get("copy_bandwidth_gbps"):
@@ -206,7 +230,7 @@ def terminal_table(result: Result) -> str:
             f"roofline: copy {m['copy_bandwidth_gbps']:.0f} GB/s, {m.get('matmul_dtype')} matmul "
             f"{m['matmul_tflops']:.0f} TFLOP/s"
         )
-    lines += ["", _table(header, body, right={2, 3, 4, 5, 6, 7})]
+    lines += ["", _table(header, body, right=set(range(2, len(header) - 1)))]
     if skipped:
         lines += ["", *(f"{k}: skipped ({v})" for k, v in skipped.items())]
     notes = [f"{r.mode}/{r.workload} {r.impl}: {r.status}: {r.reason}" for r in result.rows
@@ -215,13 +239,66 @@ def terminal_table(result: Result) -> str:
         lines += ["", *notes]
     lines.append("")
     lines.append("vs eager / vs best: speed-up over eager / over the fastest other implementation (>1 = faster)")
+    if padded:
+        lines.append("vs padded: speed-up over maxsim-padded (maxsim.maxsim on the same tokens padded, with masks)")
     lines.append("rel err: max of scores and gradients vs the fp32 reference; % floor: roofline floor / time")
     return "\n".join(lines)
 
 
 # ---- Markdown ----------------------------------------------------------------------------------------------
+def _lengths_cell(r: Row) -> str:
+    """``"Lq 14.3/23, Ld 138/1000, pad 11.7x"``: mean/max drawn lengths and the padding factor."""
+    g = r.ragged or {}
+    if not g:
+        return "-"
+
+    def num(x: Any) -> str:
+        return f"{x:.3g}" if isinstance(x, float) else str(x)
+
+    return (
+        f"Lq {num(g.get('lq_mean'))}/{g.get('lq_max')}, Ld {num(g.get('ld_mean'))}/{g.get('ld_max')}, "
+        f"pad {g.get('padding', 0):.1f}x"
+    )
+
+
+def _mode_tables(
+    out: list[str], groups: dict[tuple[str, str], list[Row]], keys: list[tuple[str, str]], title: str, label: str
+) -> None:
+    """One table (and its peak-memory table) of the workloads ``keys``; ragged ones get the lengths and
+    ``vs padded`` columns."""
+    ragged = any(_is_ragged(groups[k][0]) for k in keys)
+    rows = [r for k in keys for r in groups[k]]
+    impls = _impls(rows)
+    header = ["workload", "shape", *(["lengths (mean/max)"] if ragged else []), "floor ms", *impls]
+    header += [*(["vs padded"] if ragged else []), "vs best peer", "% floor"]
+    out += ["", f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for key in keys:
+        group = groups[key]
+        by_impl = {r.impl: r for r in group}
+        first = group[0]
+        ours = by_impl.get("maxsim")
+        name = f"{first.workload} ({first.note})" if first.note else first.workload
+        cells = [name, format_shape(first.shape), *([_lengths_cell(first)] if ragged else [])]
+        cells += [fmt_ms(first.floor_ms), *(_cell(by_impl.get(i)) for i in impls)]
+        if ragged:
+            cells.append(fmt_ratio(ours.vs_padded) if ours is not None else "-")
+        if ours is not None:
+            cells += [fmt_ratio(ours.vs_best_peer), fmt_pct(ours.floor_frac)]
+        else:
+            cells += ["-", "-"]
+        out.append("| " + " | ".join(cells) + " |")
+    if any(r.peak_mib is not None for r in rows):
+        out += ["", f"Peak extra memory, MiB ({label}):", ""]
+        out += ["| workload | " + " | ".join(impls) + " |", "|" + "---|" * (len(impls) + 1)]
+        for key in keys:
+            by_impl = {r.impl: r for r in groups[key]}
+            cells = [fmt_mib(by_impl[i].peak_mib) if i in by_impl and by_impl[i].status == "ok" else "" for i in impls]
+            out.append(f"| {key[1]} | " + " | ".join(cells) + " |")
+
+
 def markdown(result: Result) -> str:
-    """Per mode, one table of median ms per implementation, with maxsim's speed-up and roofline fraction."""
+    """Per mode, one table of median ms per implementation, with maxsim's speed-up and roofline fraction; ragged
+    workloads in tables of their own, with the drawn lengths and maxsim's speed-up over ``maxsim-padded``."""
     m = result.meta
     commit = (m.get("git_commit") or "unknown")[:12] + (" (dirty)" if m.get("git_dirty") else "")
     out = [
@@ -244,36 +321,28 @@ def markdown(result: Result) -> str:
         "n/a = not covered by that implementation; — = implementation not available.",
     ]
     groups = group_rows(result.rows)
-    impls = _impls(result.rows)
+    titles = {"infer": "Inference (forward)", "train": "Training (forward + backward)"}
     for mode in ("infer", "train"):
-        keys = [k for k in groups if k[0] == mode]
-        if not keys:
-            continue
-        title = "Inference (forward)" if mode == "infer" else "Training (forward + backward)"
-        header = ["workload", "shape", "floor ms", *impls, "vs best peer", "% floor"]
-        out += ["", f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        for key in keys:
-            group = groups[key]
-            by_impl = {r.impl: r for r in group}
-            first = group[0]
-            ours = by_impl.get("maxsim")
-            name = f"{first.workload} ({first.note})" if first.note else first.workload
-            shape = " ".join(f"{k}={v}" for k, v in first.shape.items())
-            cells = [name, shape, fmt_ms(first.floor_ms), *(_cell(by_impl.get(i)) for i in impls)]
-            if ours is not None:
-                cells += [fmt_ratio(ours.vs_best_peer), fmt_pct(ours.floor_frac)]
-            else:
-                cells += ["-", "-"]
-            out.append("| " + " | ".join(cells) + " |")
-        if any(r.peak_mib is not None for k in keys for r in groups[k]):
-            out += ["", f"Peak extra memory, MiB ({mode}):", ""]
-            out += ["| workload | " + " | ".join(impls) + " |", "|" + "---|" * (len(impls) + 1)]
-            for key in keys:
-                by_impl = {r.impl: r for r in groups[key]}
-                cells = [
-                    fmt_mib(by_impl[i].peak_mib) if i in by_impl and by_impl[i].status == "ok" else "" for i in impls
-                ]
-                out.append(f"| {key[1]} | " + " | ".join(cells) + " |")
+        keys = [k for k in groups if k[0] == mode and not _is_ragged(groups[k][0])]
+        if keys:
+            _mode_tables(out, groups, keys, titles[mode], mode)
+    ragged_keys = [k for k in groups if _is_ragged(groups[k][0])]
+    if ragged_keys:
+        out += [
+            "",
+            "Ragged workloads: packed tokens with offsets (`varlen`: every query against every document; "
+            "`pairlist`: a shuffled list of (query, document) pairs, each query with K candidates from a pool). "
+            "`maxsim` = `maxsim.maxsim_varlen` / `maxsim.maxsim_pairs_varlen` on the packed tokens; "
+            "`maxsim-padded` = `maxsim.maxsim` with masks on the same tokens padded to the batch maxima (cross "
+            "for varlen, candidates for pair lists; the padded copy is made before timing); eager and compile run "
+            "on that padded copy; peers use their ragged entry points. `lengths`: mean/max drawn lengths and "
+            "`pad` = padded similarities / real ones. `vs padded`: maxsim-padded's time over maxsim's (>1 = the "
+            "ragged path is faster); on a dense-equivalent pair list maxsim-padded is the dense candidates path.",
+        ]
+    for mode in ("infer", "train"):
+        keys = [k for k in ragged_keys if k[0] == mode]
+        if keys:
+            _mode_tables(out, groups, keys, f"Ragged {titles[mode][0].lower()}{titles[mode][1:]}", f"ragged {mode}")
     notes = [r for r in result.rows if r.reason and r.status != "skipped"]
     skipped = {r.impl: r.reason for r in result.rows if r.status == "skipped"}
     if notes or skipped:
@@ -284,10 +353,18 @@ def markdown(result: Result) -> str:
 
 
 # ---- chart -------------------------------------------------------------------------------------------------
+def _log2_ticks(lo: float, hi: float, most: int = 8) -> list[float]:
+    """Powers of two within ``[lo, hi]``, 1 always among them, thinned to at most ``most``."""
+    k_lo, k_hi = math.ceil(math.log2(lo)), math.floor(math.log2(hi))
+    step = max(1, math.ceil((k_hi - k_lo + 1) / most))
+    return [2.0**k for k in range(k_lo, k_hi + 1) if k % step == 0]
+
+
 def write_png(result: Result, path: Path) -> str | None:
     """Speed-up of maxsim over the best peer per workload, and the fraction of the roofline floor reached by
-    maxsim and the best peer. Returns None, or why no chart was written (matplotlib missing, no maxsim
-    rows)."""
+    maxsim and the best peer. Ragged workloads come last, below a dashed line, with a black diamond at maxsim's
+    speed-up over ``maxsim-padded`` (the same data padded, on the dense path). Returns None, or why no chart
+    was written (matplotlib missing, no maxsim rows)."""
     try:
         import matplotlib
 
@@ -298,11 +375,14 @@ def write_png(result: Result, path: Path) -> str | None:
     groups = list(group_rows(result.rows).items())
     if not any(r.impl == "maxsim" for _, g in groups for r in g):
         return "no maxsim rows to chart"
-    labels, speedups, ours_frac, peer_frac, peer_names = [], [], [], [], []
+    groups = [g for g in groups if not _is_ragged(g[1][0])] + [g for g in groups if _is_ragged(g[1][0])]
+    n_dense = sum(not _is_ragged(g[0]) for _, g in groups)
+    labels, speedups, ours_frac, peer_frac, peer_names, vs_padded = [], [], [], [], [], []
     for (mode, name), group in groups:
         ours = next((r for r in group if r.impl == "maxsim"), None)
         best = best_peer(group)
         labels.append(f"{mode}/{name}")
+        vs_padded.append(ours.vs_padded if ours and ours.vs_padded else None)
         speedups.append(ours.vs_best_peer if ours and ours.vs_best_peer else None)
         ours_frac.append(ours.floor_frac if ours and ours.floor_frac else None)
         peer_frac.append(best.floor_frac if best and best.floor_frac else None)
@@ -312,7 +392,7 @@ def write_png(result: Result, path: Path) -> str | None:
     fig, axes = plt.subplots(1, 2, figsize=(14, height), sharey=True)
     ys = list(range(len(labels)))[::-1]
     ax = axes[0]
-    ranked = [v for v in speedups if v is not None]
+    ranked = [v for v in speedups + vs_padded if v is not None]
     lo = min([1.0, *ranked]) / 1.6
     hi = max([1.0, *ranked]) * 1.6
     for y, v in zip(ys, speedups, strict=True):
@@ -324,14 +404,23 @@ def write_png(result: Result, path: Path) -> str | None:
 
     ax.xaxis.set_minor_locator(NullLocator())  # minor log labels overlap
     ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.xaxis.set_major_locator(FixedLocator([t for t in (0.25, 0.5, 1, 2, 4, 8) if lo <= t <= hi * 2.5]))
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.xaxis.set_major_locator(FixedLocator(_log2_ticks(lo, hi * 2.5)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x" if v >= 1 else f"1/{1 / v:g}x"))
+    ax.tick_params(axis="x", labelsize=8)
     ax.axvline(1.0, color="black", lw=1)
-    for y, v, peer in zip(ys, speedups, peer_names, strict=True):
+    for y, v, peer, pad in zip(ys, speedups, peer_names, vs_padded, strict=True):
         text = f" {v:.2f}x vs {peer}" if v is not None else " maxsim not ranked (FAIL/n/a/error)"
+        if pad is not None:
+            text += f"; {pad:.2f}x vs padded"
         ax.text(max(v, 1.0) if v is not None else 1.0, y, text, va="center", fontsize=7)
+    pads = [(y, v) for y, v in zip(ys, vs_padded, strict=True) if v is not None]
+    if pads:
+        ax.plot([v for _, v in pads], [y for y, _ in pads], "D", color="black", ms=4)
+    if 0 < n_dense < len(labels):
+        for a in axes:
+            a.axhline(ys[n_dense - 1] - 0.5, color="gray", lw=0.8, ls="--")
     ax.set_yticks(ys, labels, fontsize=7)
-    ax.set_xlabel("maxsim speed-up over the best peer (log scale, >1 = faster)")
+    ax.set_xlabel("maxsim speed-up over the best peer (bars) and over maxsim-padded (◆) (log scale, >1 = faster)")
     ax = axes[1]
     if has_floor:
         h = 0.4

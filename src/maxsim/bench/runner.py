@@ -2,10 +2,10 @@
 
 Per (workload, implementation) the runner
 
-1. builds the implementation's scorer and runs it once; the scores (and, in training, ``dQ``, ``dD``) are
-compared
-   with an fp32 reference computed here by chunked fp32 einsum (never by the implementation under test);
-   a wrong row is marked ``FAIL`` and not ranked;
+1. builds the implementation's scorer (and, for a ragged workload, the layout it runs on: padded, per-pair
+   segments; built before timing) and runs it once; the scores (and, in training, ``dQ``, ``dD``), mapped back
+   to the workload's layout, are compared with an fp32 reference computed here by chunked fp32 einsum (never by
+   the implementation under test); a wrong row is marked ``FAIL`` and not ranked;
 2. measures the peak extra memory of one call (GPU only: ``max_memory_allocated`` minus what was allocated
    before the call, so the inputs are excluded and the outputs included);
 3. times it: on a GPU ``triton.testing.do_bench`` (CUDA events, L2 flushed between calls, median), on a CPU
@@ -35,7 +35,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .peers import Impl, free_memory
+from . import ragged
+from .peers import OURS, Impl, free_memory
+from .ragged import Operands
 from .workloads import Inputs, Workload, make_inputs
 
 #: Relative-error tolerance of scores and gradients by input dtype.
@@ -77,6 +79,8 @@ class Row:
     floor_frac: float | None = None
     vs_eager: float | None = None
     vs_best_peer: float | None = None
+    vs_padded: float | None = None
+    ragged: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -185,6 +189,9 @@ def roofline_floor(w: Workload, itemsize: int, roof: Roofline) -> tuple[float, f
       token), the fp32 upstream gradient read (4 B per pair), the gather of ``d_{a_i}`` for ``dQ`` and of
       ``q_i`` for ``dD`` once per pair and query token (2 × dim × itemsize each), and ``dQ``, ``dD`` written
       once in the input dtype (distinct tokens × dim × itemsize).
+
+    Ragged workloads count their real lengths (Σ over pairs of Lq·Ld, tokens of the documents some pair uses):
+    the floor of the useful work, the same for the ragged and the padded implementations.
     """
     tokens = w.q_tokens() + w.d_tokens()
     flops = 2.0 * w.sims() * w.dim
@@ -296,11 +303,21 @@ def reference(w: Workload, inp: Inputs, need_grad: bool, budget: int | None = No
     Chunks run over documents (cross) or queries (candidates, pairs) so one fp32 similarity chunk stays within
     ``budget`` bytes. TF32 is switched off meanwhile. With ``need_grad`` it also returns the targets of the
     tie-robust identity check: per query token ``Σ_docs g · max_j <q_i, d_j>`` (= ``<dQ_i, q_i>`` for any
-    valid choice of maxima) and per document ``Σ_queries g · S`` (= ``Σ_j <dD_j, d_j>``).
+    valid choice of maxima) and per document ``Σ_queries g · S`` (= ``Σ_j <dD_j, d_j>``). Ragged workloads:
+    masked einsum over chunks of documents or pairs of similar length (:func:`.ragged.reference`), gradients
+    and query identities on the packed tokens.
     """
     device = inp.Q.device
     if budget is None:
         budget = min(REF_CHUNK_MAX, int(REF_MEMORY_FRACTION * free_memory(device)))
+    if w.ragged:
+        prev_tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            scores_r, dQ_r, dD_r, q_id_r, d_id_r = ragged.reference(w, inp, need_grad, budget)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = prev_tf32
+        return Reference(scores=scores_r, dQ=dQ_r, dD=dD_r, q_identity=q_id_r, d_identity=d_id_r)
     per_row = w.lq * max(w.ld, w.dim) * 4 * 3  # fp32 similarities, their gradient, a gather: per (query, doc)
     g = inp.grad_out
     Q = inp.Q.float()
@@ -406,7 +423,7 @@ def judge(w: Workload, out: tuple[Tensor, ...], ref: Reference, inp: Inputs, tol
     if tuple(dQ.shape) != tuple(inp.Q.shape) or tuple(dD.shape) != tuple(inp.D.shape):
         return Check(False, err, gerr, reason="gradient shapes differ from the inputs'")
     q_id = (dQ.float() * inp.Q.float()).sum(dim=-1)
-    d_id = (dD.float() * inp.D.float()).sum(dim=(-1, -2))
+    d_id = ragged.doc_identity(inp, dD) if w.ragged else (dD.float() * inp.D.float()).sum(dim=(-1, -2))
     ierr = max(rel_err(q_id, ref.q_identity), rel_err(d_id, ref.d_identity))
     if gerr <= tol:
         return Check(True, err, gerr, ierr)
@@ -417,8 +434,11 @@ def judge(w: Workload, out: tuple[Tensor, ...], ref: Reference, inp: Inputs, tol
 
 
 # ---- the run -----------------------------------------------------------------------------------------------
-def make_call(w: Workload, fn: Callable[[Tensor, Tensor], Tensor], inp: Inputs) -> Callable[[], tuple]:
-    """The timed unit: inference under ``no_grad``; training as forward plus ``autograd.grad`` of the loss."""
+def make_call(w: Workload, fn: Callable[[Tensor, Tensor], Tensor], inp: Inputs | Operands) -> Callable[[], tuple]:
+    """The timed unit: inference under ``no_grad``; training as forward plus ``autograd.grad`` of the loss.
+
+    ``inp`` is the workload's :class:`Inputs` or the :class:`~.ragged.Operands` an implementation prepared
+    (``Q``, ``D`` and the loss weights ``grad_out`` in its own layout)."""
     if w.mode == "infer":
         Q, D = inp.Q, inp.D
 
@@ -533,6 +553,9 @@ def _short(e: BaseException) -> str:
 
 
 def _bench_one(row: Row, impl: Impl, w: Workload, inp: Inputs, ref: Reference | None, ctx: _Ctx) -> None:
+    if w.ragged and not impl.ragged:
+        row.status, row.reason = "n/a", f"no entry point for the ragged layout {w.layout!r}"
+        return
     reason = impl.unsupported(w, ctx.device, ctx.dtype)
     if reason is not None:
         row.status, row.reason = "n/a", reason
@@ -541,8 +564,11 @@ def _bench_one(row: Row, impl: Impl, w: Workload, inp: Inputs, ref: Reference | 
         row.status, row.reason = "error", ctx.ref_error
         return
     try:
-        call = make_call(w, impl.scorer(w, ctx.device, ctx.dtype), inp)
+        fn, operands = impl.prepare(w, inp, ctx.device, ctx.dtype)
+        call = make_call(w, fn, operands)
         out = call()
+        if isinstance(operands, Operands):
+            out = operands.back(out)
         check = judge(w, out, ref, inp, ctx.tol)
         del out
         row.rel_err, row.grad_err = check.rel_err, check.grad_err
@@ -608,11 +634,13 @@ def run(
             log(f"{impl.name}: version {meta['impl_versions'].get(impl.name)}, the design's numbers use {expected}")
     ctx = _Ctx(device=device, dtype=dtype, tol=TOLERANCE.get(dtype, 1e-4), timer=timer)
     result = Result(meta=meta)
-    bar = _Progress(len(workloads) * len(impls), len(workloads), progress, log)
+    plan = [(w, [i for i in impls if w.ragged or not i.ragged_only]) for w in workloads]
+    bar = _Progress(sum(len(row_impls) for _, row_impls in plan), len(workloads), progress, log)
     try:
-        for w in workloads:
+        for w, row_impls in plan:
             bar.workload(w.key)
             flops, nbytes, floor = roofline_floor(w, dtype.itemsize, roof)
+            stats = w.ragged_stats()
             inp: Inputs | None = None
             ref: Reference | None = None
             ctx.ref_error = None
@@ -621,7 +649,7 @@ def run(
                 ref = reference(w, inp, need_grad=w.mode == "train")
             except Exception as e:
                 ctx.ref_error = f"inputs/reference failed: {_short(e)}"
-            for impl in impls:
+            for impl in row_impls:
                 row = Row(
                     workload=w.name,
                     mode=w.mode,
@@ -634,6 +662,7 @@ def run(
                     flops=flops,
                     bytes=nbytes,
                     floor_ms=floor,
+                    ragged=dict(stats) if stats is not None else None,
                 )
                 if impl.name in skipped:
                     row.status, row.reason = "skipped", skipped[impl.name]
@@ -657,8 +686,9 @@ def run(
 
 
 def best_peer(group: list[Row]) -> Row | None:
-    """The fastest ``ok`` row of one workload among the implementations other than ``maxsim``."""
-    peers = [r for r in group if r.impl != "maxsim" and r.status == "ok" and r.ms is not None and r.ms > 0]
+    """The fastest ``ok`` row of one workload among the implementations other than this library's (``maxsim``,
+    ``maxsim-padded``)."""
+    peers = [r for r in group if r.impl not in OURS and r.status == "ok" and r.ms is not None and r.ms > 0]
     return min(peers, key=lambda r: r.ms or math.inf) if peers else None
 
 
@@ -671,18 +701,21 @@ def group_rows(rows: list[Row]) -> dict[tuple[str, str], list[Row]]:
 
 
 def compute_ratios(rows: list[Row]) -> None:
-    """Fill ``vs_eager`` (eager ms / ms), ``vs_best_peer`` (best peer ms / ms), ``floor_frac`` (floor / ms).
+    """Fill ``vs_eager`` (eager ms / ms), ``vs_best_peer`` (best peer ms / ms), ``vs_padded`` (``maxsim-padded``
+    ms / ms: ragged workloads) and ``floor_frac`` (floor / ms).
 
     Only ``ok`` rows are ranked. The best peer of a workload is the fastest ``ok`` implementation other than
-    ``maxsim`` (eager, compile, lik, flash); ratios above 1 mean faster than that reference.
+    this library's (eager, compile, lik, flash); ratios above 1 mean faster than that reference.
     """
     for group in group_rows(rows).values():
         eager = next((r.ms for r in group if r.impl == "eager" and r.status == "ok" and r.ms), None)
+        padded = next((r.ms for r in group if r.impl == "maxsim-padded" and r.status == "ok" and r.ms), None)
         best = best_peer(group)
         for r in group:
-            r.vs_eager = r.vs_best_peer = r.floor_frac = None
+            r.vs_eager = r.vs_best_peer = r.vs_padded = r.floor_frac = None
             if r.status != "ok" or not r.ms:
                 continue
             r.vs_eager = eager / r.ms if eager is not None else None
             r.vs_best_peer = best.ms / r.ms if best is not None and best.ms is not None else None
+            r.vs_padded = padded / r.ms if padded is not None else None
             r.floor_frac = r.floor_ms / r.ms if r.floor_ms is not None else None

@@ -7,7 +7,8 @@ With ``a = argmax[q, k, t]`` and ``g = grad[q, k]``:
 
 The scatter comes in two flavours sharing the same inputs:
 
-* ``maxsim_bwd_dd_scatter_kernel`` (fast): one program per (pair, token block), fp32 atomics into a zeroed buffer;
+* ``maxsim_bwd_scatter_kernel`` (fast): one program per (pair, token block), fp32 atomics into a zeroed buffer (it
+  also serves dQ of pair lists, whose queries repeat across pairs in any order);
 * ``maxsim_bwd_dd_owned_kernel`` (deterministic): each program owns a block of document tokens and walks the queries
   that scored that document in a fixed order, selecting their tokens with a one-hot MMA
   (``onehot[BN, TQ] @ Q[TQ, dim]``), so the sum order never changes and no atomics are used.
@@ -60,7 +61,9 @@ def maxsim_bwd_dq_kernel(
     q = (pid // n_tb).to(tl.int64)
     t = (pid % n_tb) * BT + tl.arange(0, BT)
     # DQ has Q's layout: its row pointer comes from the same segment description (with DQ's strides).
-    dq_base, _dq_tok0, q_len, _q_bad = query_segment(DQ, QSEG, q, q >= 0, Lq, n_qseq, n_qrows, sdq_n, sdq_l, sqs, Q_KIND)
+    dq_base, _dq_tok0, q_len, _q_bad = query_segment(
+        DQ, QSEG, q, q >= 0, Lq, n_qseq, n_qrows, sdq_n, sdq_l, sqs, Q_KIND
+    )
     t_ok = t < q_len
     kd = tl.arange(0, DIM_P)
     kd_ok = kd < dim
@@ -90,30 +93,44 @@ def maxsim_bwd_dq_kernel(
     tl.store(out, acc.to(DQ.dtype.element_ty), mask=t_store[:, None] & kd_ok[None, :])
 
 
+@triton.jit
+def _pair_members(pair, K, PQ, PD, PAIR_LIST: tl.constexpr, SHARED_DOCS: tl.constexpr):
+    """``(query, document, batch row of the document)`` of pair ``pair``."""
+    if PAIR_LIST:
+        return tl.load(PQ + pair).to(tl.int64), tl.load(PD + pair).to(tl.int64), pair * 0
+    else:
+        q = pair // K
+        return q, pair % K, (q * 0 if SHARED_DOCS else q)
+
+
 @triton.jit(
     do_not_specialize=[
         "Nq", "K", "Lq", "Ld", "n_qseq", "n_qrows", "n_dseq", "n_drows", "sqs", "sds_b", "sds_k", "n_tb",
     ]
 )  # fmt: skip
-def maxsim_bwd_dd_scatter_kernel(
-    G, ARG, Q, INV_Q, GD, QSEG, DSEG,
+def maxsim_bwd_scatter_kernel(
+    G, ARG, QT, DT, INV, QSEG, DSEG, PQ, PD,
     Nq, K, Lq, Ld, dim,
     n_qseq, n_qrows, n_dseq, n_drows,
     sq_n, sq_l,
-    sgd_b, sgd_k, sgd_l,
+    sd_b, sd_k, sd_l,
     sqs, sds_b, sds_k,
     n_tb,
     BT: tl.constexpr, DIM_P: tl.constexpr,
-    Q_KIND: tl.constexpr, D_KIND: tl.constexpr, SHARED_DOCS: tl.constexpr, NORMALIZE: tl.constexpr,
+    Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr, SHARED_DOCS: tl.constexpr,
+    TO_Q: tl.constexpr, NORMALIZE: tl.constexpr,
 ):  # fmt: skip
+    """One program per (pair, query-token block), fp32 atomics. ``TO_Q``: read document rows ``DT[a]``, add into
+    ``QT[t]`` (dQ, used for pair lists); else read query rows ``QT[t]``, add into ``DT[a]`` (dD). ``INV`` holds the
+    inverse norms of the side that is read."""
     pid = tl.program_id(0)
     pair = (pid // n_tb).to(tl.int64)
-    q = pair // K
-    kk = pair % K
-    b = q * 0 if SHARED_DOCS else q
     t = (pid % n_tb) * BT + tl.arange(0, BT)
-    q_base, q_tok0, q_len, _q_bad = query_segment(Q, QSEG, q, q >= 0, Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, Q_KIND)
-    gd_base, _gd_tok0, _d_len, _d_bad = doc_segment(GD, DSEG, b, kk, K, Ld, n_dseq, n_drows, sgd_b, sgd_k, sgd_l, sds_b, sds_k, D_KIND)
+    q, doc, b = _pair_members(pair, K, PQ, PD, PAIR_LIST, SHARED_DOCS)
+    q_base, q_tok0, q_len, _q_bad = query_segment(QT, QSEG, q, q >= 0, Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, Q_KIND)
+    d_base, d_tok0, _d_len, _d_bad = doc_segment(
+        DT, DSEG, b, doc, K, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, D_KIND
+    )
     t_ok = t < q_len
     kd = tl.arange(0, DIM_P)
     kd_ok = kd < dim
@@ -121,12 +138,19 @@ def maxsim_bwd_dd_scatter_kernel(
     hit = a >= 0
     w = tl.load(G + pair) + tl.zeros([BT], dtype=tl.float32)
     if NORMALIZE:
-        w = w * tl.load(INV_Q + q_tok0 + t, mask=t_ok, other=0.0)
+        if TO_Q:
+            w = w * tl.load(INV + d_tok0 + a, mask=hit, other=0.0)
+        else:
+            w = w * tl.load(INV + q_tok0 + t, mask=t_ok, other=0.0)
     mask = hit[:, None] & kd_ok[None, :]
-    rows = tl.load(q_base + t[:, None] * sq_l + kd[None, :], mask=mask, other=0.0)
-    tl.atomic_add(
-        gd_base + a[:, None] * sgd_l + kd[None, :], rows.to(tl.float32) * w[:, None], mask=mask, sem="relaxed"
-    )
+    q_ptrs = q_base + t[:, None] * sq_l + kd[None, :]
+    d_ptrs = d_base + a[:, None] * sd_l + kd[None, :]
+    if TO_Q:
+        rows = tl.load(d_ptrs, mask=mask, other=0.0)
+        tl.atomic_add(q_ptrs, rows.to(tl.float32) * w[:, None], mask=mask, sem="relaxed")
+    else:
+        rows = tl.load(q_ptrs, mask=mask, other=0.0)
+        tl.atomic_add(d_ptrs, rows.to(tl.float32) * w[:, None], mask=mask, sem="relaxed")
 
 
 @triton.jit(

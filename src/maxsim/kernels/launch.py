@@ -14,14 +14,14 @@ from torch import Tensor
 
 from ..cpu import project_normalized_grad
 from ..layout import NORM_EPS, Ragged, dims
-from .backward import maxsim_bwd_dd_owned_kernel, maxsim_bwd_dd_scatter_kernel, maxsim_bwd_dq_kernel
+from .backward import maxsim_bwd_dd_owned_kernel, maxsim_bwd_dq_kernel, maxsim_bwd_scatter_kernel
 from .configs import ForwardConfig, backward_config, forward_config
 from .forward import maxsim_fwd_kernel
 from .launcher import INTERPRETER, Launcher
 
 _fwd = Launcher(maxsim_fwd_kernel)
 _bwd_dq = Launcher(maxsim_bwd_dq_kernel)
-_bwd_dd_scatter = Launcher(maxsim_bwd_dd_scatter_kernel)
+_bwd_scatter = Launcher(maxsim_bwd_scatter_kernel)
 _bwd_dd_owned = Launcher(maxsim_bwd_dd_owned_kernel)
 
 DENSE, OFFSETS, LENGTHS = 0, 1, 2  # segment kinds, as in kernels/segments.py
@@ -200,31 +200,48 @@ def backward(
         inv_q = inv_d = grad  # unused pointers
     n_queries = sg.n_q if sg.q_kind == OFFSETS else Q.shape[0]
     n_docs = sg.n_d if sg.d_kind == OFFSETS else K
-    if sg.pairs:
-        q_off, q_order = csr(rg.pair_q, n_queries)
-        d_off, d_order = csr(rg.pair_d, n_docs)
-    else:
-        q_off = q_order = d_off = d_order = grad  # unused pointers
     seg_args = (sg.n_q, sg.rows_q, sg.n_d, sg.rows_d)
     seg_strides = (sg.sqs, sg.sds_b, sg.sds_k)
     kinds = dict(Q_KIND=sg.q_kind, D_KIND=sg.d_kind)
 
-    # dQ: gather, one program per (query, token block), summing over its pairs in order (deterministic).
-    # It is written straight in Q's dtype (fp32 when a normalize projection follows); splitting the pairs over
-    # more programs would need a partial-sum buffer of another dtype, i.e. a second variant compiled at a
-    # data-dependent moment, which the launch table rules out.
     n_tb = triton_cdiv(Lq, cfg.BT)
-    dQ = torch.empty(Q.shape, dtype=torch.float32 if normalize else Q.dtype, device=Q.device)
-    _bwd_dq(
-        n_queries * n_tb,
-        (grad, argmax, D, inv_d, dQ, sg.qseg, sg.dseg, sg.pd, q_off, q_order),
-        (
-            n_queries, K, Lq, Ld, dim, *seg_args,
-            *_d_strides(D, shared), *_q_strides(dQ), *seg_strides, n_tb,
-        ),
-        dict(BT=cfg.BT, DIM_P=cfg.DIM_P, **kinds, PAIR_LIST=sg.pairs, SHARED_DOCS=shared, NORMALIZE=normalize),
-        cfg.num_warps,
-    )  # fmt: skip
+    n_pairs = Nq * K  # the [Nq, K] score grid (a pair list: [1, P])
+
+    def scatter(to_q: bool, qt: Tensor, dt: Tensor, inv: Tensor) -> None:
+        _bwd_scatter(
+            n_pairs * n_tb,
+            (grad, argmax, qt, dt, inv, sg.qseg, sg.dseg, sg.pq, sg.pd),
+            (Nq, K, Lq, Ld, dim, *seg_args, *_q_strides(qt), *_d_strides(dt, shared), *seg_strides, n_tb),
+            dict(BT=cfg.BT, DIM_P=cfg.DIM_P, **kinds, PAIR_LIST=sg.pairs, SHARED_DOCS=shared, TO_Q=to_q,
+                 NORMALIZE=normalize),
+            cfg.num_warps,
+        )  # fmt: skip
+
+    if sg.pairs and not deterministic:
+        # A pair list's queries recur in any order: atomics into an fp32 buffer, one program per (pair, token
+        # block). Walking each query's pairs instead is a chain of dependent index loads per step (latency-bound).
+        dQ = torch.zeros(Q.shape, dtype=torch.float32, device=Q.device)
+        scatter(True, dQ, D, inv_d)
+    else:
+        # dQ: gather, one program per (query, token block), summing over its pairs in order (deterministic).
+        # It is written straight in Q's dtype (fp32 when a normalize projection follows); splitting the pairs over
+        # more programs would need a partial-sum buffer of another dtype, i.e. a second variant compiled at a
+        # data-dependent moment, which the launch table rules out.
+        dQ = torch.empty(Q.shape, dtype=torch.float32 if normalize else Q.dtype, device=Q.device)
+        if sg.pairs:
+            q_off, q_order = csr(rg.pair_q, n_queries)
+        else:
+            q_off = q_order = grad  # unused pointers
+        _bwd_dq(
+            n_queries * n_tb,
+            (grad, argmax, D, inv_d, dQ, sg.qseg, sg.dseg, sg.pd, q_off, q_order),
+            (
+                n_queries, K, Lq, Ld, dim, *seg_args,
+                *_d_strides(D, shared), *_q_strides(dQ), *seg_strides, n_tb,
+            ),
+            dict(BT=cfg.BT, DIM_P=cfg.DIM_P, **kinds, PAIR_LIST=sg.pairs, SHARED_DOCS=shared, NORMALIZE=normalize),
+            cfg.num_warps,
+        )  # fmt: skip
 
     # dD: documents scored by one query each (candidates) and pair lists take the owner kernel, which is then also
     # the fastest (no zeroed fp32 buffer, no atomics, no cast); the cross product uses atomics unless asked not to.
@@ -234,6 +251,10 @@ def backward(
         n_jb = triton_cdiv(Ld, cfg.BN)
         n_kb = triton_cdiv(dim, cfg.BLOCK_K)
         n_owned = n_docs if sg.d_kind == OFFSETS else Bd * K
+        if sg.pairs:
+            d_off, d_order = csr(rg.pair_d, n_docs)
+        else:
+            d_off = d_order = grad  # unused pointers
         _bwd_dd_owned(
             n_owned * n_jb * n_kb,
             (grad, argmax, Q, inv_q, gd, sg.qseg, sg.dseg, sg.pq, d_off, d_order),
@@ -250,16 +271,7 @@ def backward(
     else:
         direct_d = not normalize and D.dtype == torch.float32
         gd = torch.zeros(D.shape, dtype=torch.float32, device=D.device)
-        _bwd_dd_scatter(
-            Nq * K * n_tb,
-            (grad, argmax, Q, inv_q, gd, sg.qseg, sg.dseg),
-            (
-                Nq, K, Lq, Ld, dim, *seg_args,
-                *_q_strides(Q), *_d_strides(gd, True), *seg_strides, n_tb,
-            ),
-            dict(BT=cfg.BT, DIM_P=cfg.DIM_P, **kinds, SHARED_DOCS=shared, NORMALIZE=normalize),
-            cfg.num_warps,
-        )  # fmt: skip
+        scatter(False, Q, gd, inv_q)
 
     if normalize:
         dQ = project_normalized_grad(dQ, Q.float() * inv_q[..., None], norm_q)

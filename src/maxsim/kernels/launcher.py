@@ -23,6 +23,14 @@ INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_ENTRIES = 1024
 
 
+def _hooked(hook: Any) -> bool:
+    """A launch hook is installed: a callable, or a non-empty ``HookChain`` (newer Triton never holds None)."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else True
+
+
 class Launcher:
     """``Launcher(kernel)(grid, tensors, ints, constexprs, num_warps, num_stages)`` ≡
     ``kernel[(grid,)](*tensors, *ints, **constexprs, num_warps=..., num_stages=...)``, for kernels whose parameters
@@ -49,7 +57,7 @@ class Launcher:
             device, num_warps, num_stages, ints, tuple(constexprs.values()),
             tuple([(t.dtype, t.data_ptr() & 15) for t in tensors]),
         )  # fmt: skip
-        hooks = knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+        hooks = _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)
         hit = None if hooks else self._known.get(key)
         if hit is None:
             compiled = self.kernel[(grid,)](*tensors, *ints, **constexprs, num_warps=num_warps, num_stages=num_stages)
