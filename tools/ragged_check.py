@@ -132,6 +132,23 @@ def speed() -> None:
     )
     t_cand = do_bench(lambda: torch.autograd.grad(maxsim.maxsim(Qcg, Dcg).sum(), (Qcg, Dcg)))
     print(f"speed train pair list: pairs {t_pairs:.4f} ms, candidates {t_cand:.4f} ms, ratio {t_pairs / t_cand:.2f}")
+    # Where a pair-list training step spends its time, kernel by kernel (GPU) and op by op (host).
+    steps = {
+        "pair list": lambda: torch.autograd.grad(maxsim.maxsim_pairs_varlen(
+            Qfg, Dfg, cu_q, cu_d, pq, pd, max_seqlen_q=Lq, max_seqlen_d=Ld).sum(), (Qfg, Dfg)),
+        "candidates": lambda: torch.autograd.grad(maxsim.maxsim(Qcg, Dcg).sum(), (Qcg, Dcg)),
+    }  # fmt: skip
+    for name, step in steps.items():
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:  # fmt: skip
+            for _ in range(10):
+                step()
+            torch.cuda.synchronize()
+        print(f"profile of 10 training steps, {name}:")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
 
 
 def main() -> None:
