@@ -51,37 +51,69 @@ def forward(
     Nq, Lq, dim = Q.shape
     Bd, K, Ld, _ = D.shape
     acc = accum_dtype(Q.dtype)
-    scores = torch.zeros((Nq, K), dtype=acc, device=Q.device)
-    argmax = torch.full((Nq, K, Lq) if need_argmax else (0,), -1, dtype=torch.int32, device=Q.device)
-    if scores.numel() == 0 or Lq == 0 or Ld == 0:
-        return scores, argmax
+    if Nq == 0 or K == 0 or Lq == 0 or Ld == 0:
+        scores = torch.zeros((Nq, K), dtype=acc, device=Q.device)
+        return scores, torch.full((Nq, K, Lq) if need_argmax else (0,), -1, dtype=torch.int32, device=Q.device)
     nq, nk = _blocks(Nq, K, Lq, Ld, dim, torch.finfo(acc).bits // 8, Bd == 1)
+    if nq == Nq and nk == K:  # one block: no output buffers to fill
+        return _forward_block(Q, D, q_mask, d_mask, normalize, need_argmax, acc)
+    scores = torch.empty((Nq, K), dtype=acc, device=Q.device)
+    argmax = torch.empty((Nq, K, Lq) if need_argmax else (0,), dtype=torch.int32, device=Q.device)
     for q0 in range(0, Nq, nq):
         q1 = min(Nq, q0 + nq)
-        qb = Q[q0:q1].to(acc)
-        if normalize:
-            qb = qb * _inv_norm(qb)[..., None]
+        b0, b1 = (0, 1) if Bd == 1 else (q0, q1)
+        qm = None if q_mask is None else q_mask[q0:q1]
         for k0 in range(0, K, nk):
             k1 = min(K, k0 + nk)
-            b0, b1 = (0, 1) if Bd == 1 else (q0, q1)
-            db = D[b0:b1, k0:k1].to(acc)  # [b, k, Ld, dim]
-            if normalize:
-                db = db * _inv_norm(db)[..., None]
-            sim = torch.einsum("qid,bkjd->qkij", qb, db) if Bd == 1 else torch.einsum("qid,qkjd->qkij", qb, db)
-            if d_mask is not None:
-                dm = d_mask[b0:b1, k0:k1]  # [b, k, Ld]
-                sim = sim.masked_fill(~dm[:, :, None, :], float("-inf"))
-                has_valid = dm.any(dim=-1)[:, :, None]  # [b, k, 1]
-            else:
-                has_valid = torch.ones((1, 1, 1), dtype=torch.bool, device=Q.device)
-            best, arg = sim.max(dim=-1)  # [q, k, Lq]; ties -> lowest index; NaN propagates
-            valid = has_valid.expand(best.shape)
-            if q_mask is not None:
-                valid = valid & q_mask[q0:q1, None, :]
-            scores[q0:q1, k0:k1] = torch.where(valid, best, best.new_zeros(())).sum(dim=-1)
+            dm = None if d_mask is None else d_mask[b0:b1, k0:k1]
+            s, a = _forward_block(Q[q0:q1], D[b0:b1, k0:k1], qm, dm, normalize, need_argmax, acc)
+            scores[q0:q1, k0:k1] = s
             if need_argmax:
-                argmax[q0:q1, k0:k1] = torch.where(valid, arg, arg.new_full((), -1)).to(torch.int32)
+                argmax[q0:q1, k0:k1] = a
     return scores, argmax
+
+
+def _forward_block(
+    Q: Tensor,
+    D: Tensor,
+    q_mask: Tensor | None,
+    d_mask: Tensor | None,
+    normalize: bool,
+    need_argmax: bool,
+    acc: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    """One block: ``Q [q, Lq, dim]`` against ``D [b, k, Ld, dim]`` (``b`` = 1 or ``q``) as a single GEMM / batched
+    GEMM into ``[q, Lq, k, Ld]`` (contiguous along the reduced axis), then the row max."""
+    q, Lq, dim = Q.shape
+    b, k, Ld, _ = D.shape
+    qb, db = Q.to(acc), D.to(acc)
+    if normalize:
+        qb = qb * _inv_norm(qb)[..., None]
+        db = db * _inv_norm(db)[..., None]
+    if b == 1:
+        sim = (qb.reshape(q * Lq, dim) @ db.reshape(k * Ld, dim).T).view(q, Lq, k, Ld)
+    else:
+        sim = torch.bmm(qb, db.reshape(q, k * Ld, dim).transpose(1, 2)).view(q, Lq, k, Ld)
+    valid = None  # [q or 1, Lq or 1, k or 1]: rows that count
+    if d_mask is not None:
+        sim.masked_fill_(~d_mask[:, None, :, :], float("-inf"))
+        valid = d_mask.any(dim=-1)[:, None, :]  # [b, 1, k]
+    if q_mask is not None:
+        qv = q_mask[:, :, None]
+        valid = qv if valid is None else valid & qv
+    if need_argmax:
+        best, arg = sim.max(dim=-1)  # [q, Lq, k]; ties -> lowest index; NaN propagates
+    else:
+        best, arg = sim.amax(dim=-1), None  # NaN propagates
+    if valid is not None:
+        # torch.where, not a product: a row with no valid token holds -inf (or NaN from masked inputs).
+        best = torch.where(valid, best, best.new_zeros(()))
+    scores = best.sum(dim=1)  # [q, k]
+    if not need_argmax:
+        return scores, torch.empty((0,), dtype=torch.int32, device=Q.device)
+    if valid is not None:
+        arg = torch.where(valid, arg, arg.new_full((), -1))
+    return scores, arg.to(torch.int32).transpose(1, 2).contiguous()
 
 
 def backward(
