@@ -226,6 +226,42 @@ def test_no_recompile_across_nd_ld_k():
     assert not new, f"new kernel variants compiled for new Nq/Nd/Ld/K: { {n: len(k) for n, k in new.items()} }"
 
 
+def _ragged_fwd_bwd(lengths_q, lengths_d, pairs, *, seed):
+    """Forward + backward of maxsim_varlen and maxsim_pairs_varlen with the maxima passed (no sync)."""
+    g = torch.Generator().manual_seed(seed)
+    cu_q = F.pad(torch.tensor(lengths_q).cumsum(0), (1, 0)).to(torch.int32).to(DEV)
+    cu_d = F.pad(torch.tensor(lengths_d).cumsum(0), (1, 0)).to(torch.int32).to(DEV)
+    Q = torch.randn(sum(lengths_q), 64, generator=g).to(DEV, torch.bfloat16).requires_grad_()
+    D = torch.randn(sum(lengths_d), 64, generator=g).to(DEV, torch.bfloat16).requires_grad_()
+    lengths = dict(max_seqlen_q=max(lengths_q), max_seqlen_d=max(lengths_d))
+    maxsim.maxsim_varlen(Q, D, cu_q, cu_d, **lengths).sum().backward()
+    pq = torch.tensor([p[0] for p in pairs], device=DEV)
+    pd = torch.tensor([p[1] for p in pairs], device=DEV)
+    maxsim.maxsim_pairs_varlen(Q, D, cu_q, cu_d, pq, pd, **lengths).sum().backward()
+
+
+def test_no_recompile_across_ragged_lengths():
+    """Ragged calls: new numbers of documents, new document lengths (and maxima), new pair lists, new query lengths
+    within the longest query's power-of-two bucket compile nothing new. (The number of queries keeps to one
+    packing bucket, 5..8: below 8 queries the cross product packs fewer per program, a bounded set of variants.)"""
+    _ragged_fwd_bwd([5, 20, 32, 9, 11], [40, 7, 300], [(0, 1), (2, 2), (1, 0)], seed=0)
+    torch.cuda.synchronize()
+    kernels = _jit_functions()
+    before = {name: _compiled_keys(fn) for name, fn in kernels.items()}
+    assert any(before.values()), "the warm-up compiled nothing: cannot find the kernels' caches"
+    cases = [
+        ([17, 30, 4, 6, 8, 2], [1000, 3], [(0, 0), (1, 1), (1, 0), (5, 1)]),
+        ([32, 1, 9, 25, 18, 3, 3], [64, 65, 129, 2, 513, 77], [(4, 5), (0, 0)]),
+        ([20] * 8, [5000], [(0, 0)] * 7),
+    ]
+    for i, (lq, ld, pairs) in enumerate(cases):
+        _ragged_fwd_bwd(lq, ld, pairs, seed=i + 1)
+    torch.cuda.synchronize()
+    new = {name: _compiled_keys(fn) - before[name] for name, fn in kernels.items()}
+    new = {name: keys for name, keys in new.items() if keys}
+    assert not new, f"new kernel variants for new ragged lengths: { {n: len(k) for n, k in new.items()} }"
+
+
 # ----------------------------------------------------------------------------------------------------
 # medium-size accuracy
 
