@@ -352,3 +352,28 @@ def test_triton_backend_on_cpu_needs_the_interpreter():
     inp = make_inputs("cross", 2, 3, 7, 20, 32, seed=9)
     with pytest.raises(ValueError, match="(?i)triton|interpret"), maxsim.backend("triton"):
         maxsim.maxsim(inp.Q, inp.D)
+
+
+def test_repeated_calls_follow_strides_masks_and_flags(backend, device):
+    """The launch path reuses plans keyed by shapes, strides and flags: a second call with the same shapes but
+    other strides, masks or flags must still compute its own result."""
+    g = torch.Generator().manual_seed(11)
+    Q = torch.randn(3, 5, 16, generator=g).to(device)
+    D = torch.randn(4, 7, 16, generator=g).to(device)
+    D_t = torch.randn(7, 4, 16, generator=g).to(device).transpose(0, 1)  # same shape as D, other strides
+    dm = torch.rand(4, 7, generator=g).to(device) > 0.3
+    dm[:, 0] = True
+    with maxsim.backend(backend):
+        for args, kwargs in [
+            ((Q, D), {}),
+            ((Q, D_t), {}),
+            ((Q, D), {"normalize": True}),
+            ((Q, D, None, dm), {}),
+            ((Q, D, None, dm.t().contiguous().t()), {}),
+            ((Q, D), {}),
+        ]:
+            got = maxsim.maxsim(*args, **kwargs)
+            ref = maxsim.reference.maxsim(
+                *(a.double() if a is not None and a.is_floating_point() else a for a in args), **kwargs
+            )
+            torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)

@@ -17,11 +17,16 @@ from torch import Tensor
 from . import cpu, cpu_ragged
 from .layout import Ragged, accum_dtype, dims
 
+_launch = None
+
 
 def _triton_path():
-    from .kernels import launch  # imported lazily: the torch path must work without triton
+    global _launch
+    if _launch is None:
+        from .kernels import launch  # imported lazily: the torch path must work without triton
 
-    return launch
+        _launch = launch
+    return _launch
 
 
 def ragged(

@@ -101,6 +101,24 @@ def _d_strides(x: Tensor, shared: bool) -> tuple[int, int, int]:
     return (0 if shared else x.stride(0)), x.stride(1), x.stride(2)
 
 
+class _ForwardPlan(NamedTuple):
+    """Everything a forward launch needs that depends only on shapes, strides and flags."""
+
+    Nq: int
+    K: int
+    Lq: int
+    n_rsplit: int
+    grid: int
+    ints: tuple
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+
+
+_plans: dict[tuple, _ForwardPlan] = {}
+_MAX_PLANS = 4096
+
+
 def forward(
     Q: Tensor,
     D: Tensor,
@@ -113,22 +131,30 @@ def forward(
 ) -> tuple[Tensor, Tensor | None]:
     """Scores ``[Nq, K]`` fp32 and argmax ``[Nq, K, Lq]`` int32 (None unless ``need_argmax``).
 
-    A pair list gives ``[1, P]`` and ``[1, P, Lq]``. ``cfg`` overrides the launch table (offline tuning only)."""
+    A pair list gives ``[1, P]`` and ``[1, P, Lq]``. ``cfg`` overrides the launch table (offline tuning only).
+    Dense calls reuse a plan keyed by shapes, strides and flags, so a repeated call costs two allocations and a
+    launch of host work."""
+    key = None
+    if rg is None and cfg is None:
+        key = (
+            Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype,
+            None if q_mask is None else q_mask.stride(), None if d_mask is None else d_mask.stride(),
+            normalize, need_argmax, torch.get_float32_matmul_precision(),
+        )  # fmt: skip
+        plan = _plans.get(key)
+        if plan is not None:
+            return _run_forward(plan, Q, D, q_mask, d_mask, None, need_argmax)
     Nq, Lq, Bd, K, Ld, dim = dims(Q, D, rg)
-    device = Q.device
-    scores = torch.empty((Nq, K), dtype=torch.float32, device=device)
-    # No argmax tensor at all when none is asked for (the registered op substitutes an empty one).
-    argmax = torch.empty((Nq, K, Lq), dtype=torch.int32, device=device) if need_argmax else None
-    if Nq == 0 or K == 0:
+    if Nq == 0 or K == 0 or Lq == 0 or Ld == 0:
+        scores = torch.zeros((Nq, K), dtype=torch.float32, device=Q.device)
+        argmax = torch.full((Nq, K, Lq), -1, dtype=torch.int32, device=Q.device) if need_argmax else None
         return scores, argmax
-    if Lq == 0 or Ld == 0:
-        return scores.zero_(), (None if argmax is None else argmax.fill_(-1))
+    if key is not None and (Q.stride(-1) != 1 or D.stride(-1) != 1):
+        key = None  # the plan would describe the contiguous copies made below, not these tensors
     Q, D = _last_dim_contiguous(Q), _last_dim_contiguous(D)
     sg = _segs(Q, D, rg)
     shared = Bd == 1 and not sg.pairs
     cfg = cfg or forward_config(Lq, dim, Nq, shared, need_argmax)
-    qm = Q if q_mask is None else q_mask.view(torch.uint8)
-    dm = Q if d_mask is None else d_mask.view(torch.uint8)
     sqm = (0, 0) if q_mask is None else q_mask.stride()
     sdm = (0, 0, 0) if d_mask is None else ((0 if shared else d_mask.stride(0)),) + d_mask.stride()[1:]
     n_qblocks = triton_cdiv(Nq, cfg.BQ)
@@ -136,10 +162,9 @@ def forward(
     # summed afterwards in a fixed order.
     n_rsplit = triton_cdiv(Lq, cfg.TQ) if (cfg.BQ == 1 and cfg.SPLIT_ROWS) else 1
     rows_per_prog = cfg.TQ if n_rsplit > 1 else Lq
-    out = scores if n_rsplit == 1 else torch.empty((n_rsplit, Nq, K), dtype=torch.float32, device=device)
-    _fwd(
+    plan = _ForwardPlan(
+        Nq, K, Lq, n_rsplit,
         n_qblocks * n_rsplit * K,
-        (Q, D, qm, dm, sg.qseg, sg.dseg, sg.pq, sg.pd, out, scores if argmax is None else argmax),
         (
             Nq, K, Lq, Ld, dim,
             sg.n_q, sg.rows_q, sg.n_d, sg.rows_d,
@@ -156,6 +181,28 @@ def forward(
         cfg.num_warps,
         cfg.num_stages,
     )  # fmt: skip
+    if key is not None:
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    return _run_forward(plan, Q, D, q_mask, d_mask, sg, need_argmax)
+
+
+def _run_forward(
+    plan: _ForwardPlan, Q: Tensor, D: Tensor, q_mask: Tensor | None, d_mask: Tensor | None, sg: _Segs | None,
+    need_argmax: bool,
+) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    device = Q.device
+    scores = torch.empty((plan.Nq, plan.K), dtype=torch.float32, device=device)
+    # No argmax tensor at all when none is asked for (the registered op substitutes an empty one).
+    argmax = torch.empty((plan.Nq, plan.K, plan.Lq), dtype=torch.int32, device=device) if need_argmax else None
+    n_rsplit = plan.n_rsplit
+    out = scores if n_rsplit == 1 else torch.empty((n_rsplit, plan.Nq, plan.K), dtype=torch.float32, device=device)
+    qm = Q if q_mask is None else q_mask.view(torch.uint8)
+    dm = Q if d_mask is None else d_mask.view(torch.uint8)
+    segs = (Q, Q, Q, Q) if sg is None else (sg.qseg, sg.dseg, sg.pq, sg.pd)
+    arg = scores if argmax is None else argmax
+    _fwd(plan.grid, (Q, D, qm, dm, *segs, out, arg), plan.ints, plan.constexprs, plan.num_warps, plan.num_stages)
     if n_rsplit > 1:
         torch.sum(out, dim=0, out=scores)
     return scores, argmax
