@@ -58,7 +58,7 @@ def _read_back(
         if pairs is not None:
             for p in pairs:
                 stats += [p.min().long() if p.numel() else zero, p.max().long() if p.numel() else zero]
-    values = torch.stack(stats).tolist()
+    values = torch.stack(stats).tolist()  # the one documented sync (maxima omitted or validate=True)
     longest_q, longest_d = values[0], values[1]
     if check:
         it = iter(values[2:])
@@ -213,7 +213,7 @@ def maxsim_padded(
     if validate:
         zero = torch.zeros((), dtype=torch.long, device=ql.device)
         ends = [(t.min().long(), t.max().long()) if t.numel() else (zero, zero) for t in (ql, dl)]
-        lo_q, hi_q, lo_d, hi_d = torch.stack([v for pair in ends for v in pair]).tolist()
+        lo_q, hi_q, lo_d, hi_d = torch.stack([v for pair in ends for v in pair]).tolist()  # validate=True: one sync
         if lo_q < 0 or hi_q > Lq:
             raise ValueError(f"query_lengths: expected values in [0, {Lq}], got values in [{lo_q}, {hi_q}]")
         if lo_d < 0 or hi_d > Ld:
