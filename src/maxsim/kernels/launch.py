@@ -217,9 +217,9 @@ def _inverse_norms(x: Tensor) -> tuple[Tensor, Tensor]:
 def csr(ids: Tensor, n: int) -> tuple[Tensor, Tensor]:
     """Group pair indices by ``ids`` (values in ``[0, n)``) without a host sync: ``(offsets [n + 1], order [P])``;
     group ``i`` is ``order[offsets[i]:offsets[i + 1]]``, in increasing pair order (stable sort)."""
-    order = torch.argsort(ids, stable=True)
+    ids_sorted, order = torch.sort(ids, stable=True)
     bounds = torch.arange(n + 1, device=ids.device, dtype=ids.dtype)
-    return torch.searchsorted(ids[order], bounds), order
+    return torch.searchsorted(ids_sorted, bounds), order
 
 
 def backward(
