@@ -377,3 +377,28 @@ def test_repeated_calls_follow_strides_masks_and_flags(backend, device):
                 *(a.double() if a is not None and a.is_floating_point() else a for a in args), **kwargs
             )
             torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["cross", "candidates", "pairs"])
+def test_gradient_of_an_expanded_upstream_grad(layout, backend, device):
+    """``scores.sum().backward()`` hands the backward an expanded (stride-0) gradient, which the kernels read in
+    place; a transposed upstream gradient is read through a copy. Both must give the reference gradients."""
+    inp = make_inputs(layout, 3, 4, 5, 7, 16, device=device, seed=seed_of("expanded-grad", layout))
+    with maxsim.backend(backend):
+        Q, D = inp.Q.clone().requires_grad_(), inp.D.clone().requires_grad_()
+        fn = maxsim.maxsim_pairs if layout == "pairs" else maxsim.maxsim
+        s = fn(Q, D)
+        s.sum().backward()
+        Qr, Dr = inp.Q.double().requires_grad_(), inp.D.double().requires_grad_()
+        ref_fn = maxsim.reference.maxsim_pairs if layout == "pairs" else maxsim.reference.maxsim
+        ref_fn(Qr, Dr).sum().backward()
+        torch.testing.assert_close(Q.grad.double(), Qr.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(D.grad.double(), Dr.grad, rtol=1e-5, atol=1e-5)
+        if s.dim() == 2:  # a transposed (non-contiguous) upstream gradient
+            Q.grad = D.grad = None
+            g = torch.randn(s.shape[1], s.shape[0], device=device).t()
+            s = fn(Q, D)
+            gq, gd = torch.autograd.grad(s, (Q, D), g)
+            rq, rd = torch.autograd.grad(ref_fn(Qr, Dr), (Qr, Dr), g.double())
+            torch.testing.assert_close(gq.double(), rq, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(gd.double(), rd, rtol=1e-5, atol=1e-5)

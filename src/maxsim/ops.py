@@ -183,10 +183,14 @@ class _MaxSimFunction(torch.autograd.Function):
         ctx.save_for_backward(Q, D, argmax)
         ctx.normalize, ctx.impl, ctx.deterministic, ctx.rg = normalize, impl, deterministic, rg
         ctx.mark_non_differentiable(argmax)
+        # No zero-filled gradient for the (non-differentiable) argmax output: one allocation and fill fewer per step.
+        ctx.set_materialize_grads(False)
         return scores, argmax
 
     @staticmethod
     def backward(ctx, grad_scores, _grad_argmax):
+        if grad_scores is None:
+            return (None,) * 8
         Q, D, argmax = ctx.saved_tensors
         dQ, dD = backward_impl(grad_scores, Q, D, argmax, ctx.normalize, ctx.deterministic, ctx.impl, ctx.rg)
         return dQ, dD, None, None, None, None, None, None

@@ -1,6 +1,7 @@
 """The backward kernels: gradients from the saved argmax alone (``[Nq, K, Lq]`` int32, -1 = no contribution).
 
-With ``a = argmax[q, k, t]`` and ``g = grad[q, k]``:
+With ``a = argmax[q, k, t]`` and ``g = grad[q, k]`` (read as ``G[(q * K + k) * sg]``: a contiguous grid, ``sg = 1``,
+or the expanded scalar of a ``.sum()`` loss, ``sg = 0``, without a copy):
 
     dQ[q, t]        += g · D[doc(q, k), a]       (gather: one program per query-token block, summing over its pairs)
     dD[doc(q,k), a] += g · Q[q, t]               (scatter)
@@ -42,7 +43,7 @@ def _pair(q, e, K, PERM, PD, PAIR_LIST: tl.constexpr):
 
 @triton.jit(
     do_not_specialize=[
-        "Nq", "K", "Lq", "Ld", "n_qseq", "n_qrows", "n_dseq", "n_drows", "sqs", "sds_b", "sds_k", "n_tb",
+        "Nq", "K", "Lq", "Ld", "n_qseq", "n_qrows", "n_dseq", "n_drows", "sqs", "sds_b", "sds_k", "sg", "n_tb",
     ]
 )  # fmt: skip
 def maxsim_bwd_dq_kernel(
@@ -51,7 +52,7 @@ def maxsim_bwd_dq_kernel(
     n_qseq, n_qrows, n_dseq, n_drows,
     sd_b, sd_k, sd_l,
     sdq_n, sdq_l,
-    sqs, sds_b, sds_k,
+    sqs, sds_b, sds_k, sg,
     n_tb,
     BT: tl.constexpr, DIM_P: tl.constexpr,
     Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr, SHARED_DOCS: tl.constexpr,
@@ -82,7 +83,7 @@ def maxsim_bwd_dq_kernel(
         )
         a = tl.load(ARG + p * Lq + t, mask=t_ok, other=-1)
         hit = a >= 0
-        w = tl.load(G + p) + tl.zeros([BT], dtype=tl.float32)
+        w = tl.load(G + p * sg) + tl.zeros([BT], dtype=tl.float32)
         if NORMALIZE:
             w = w * tl.load(INV_D + d_tok0 + a, mask=hit, other=0.0)
         rows = tl.load(d_base + a[:, None] * sd_l + kd[None, :], mask=hit[:, None] & kd_ok[None, :], other=0.0)
@@ -105,7 +106,7 @@ def _pair_members(pair, K, PQ, PD, PAIR_LIST: tl.constexpr, SHARED_DOCS: tl.cons
 
 @triton.jit(
     do_not_specialize=[
-        "Nq", "K", "Lq", "Ld", "n_qseq", "n_qrows", "n_dseq", "n_drows", "sqs", "sds_b", "sds_k", "n_tb",
+        "Nq", "K", "Lq", "Ld", "n_qseq", "n_qrows", "n_dseq", "n_drows", "sqs", "sds_b", "sds_k", "sg", "n_tb",
     ]
 )  # fmt: skip
 def maxsim_bwd_scatter_kernel(
@@ -114,7 +115,7 @@ def maxsim_bwd_scatter_kernel(
     n_qseq, n_qrows, n_dseq, n_drows,
     sq_n, sq_l,
     sd_b, sd_k, sd_l,
-    sqs, sds_b, sds_k,
+    sqs, sds_b, sds_k, sg,
     n_tb,
     BT: tl.constexpr, DIM_P: tl.constexpr,
     Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr, SHARED_DOCS: tl.constexpr,
@@ -136,7 +137,7 @@ def maxsim_bwd_scatter_kernel(
     kd_ok = kd < dim
     a = tl.load(ARG + pair * Lq + t, mask=t_ok, other=-1)
     hit = a >= 0
-    w = tl.load(G + pair) + tl.zeros([BT], dtype=tl.float32)
+    w = tl.load(G + pair * sg) + tl.zeros([BT], dtype=tl.float32)
     if NORMALIZE:
         if TO_Q:
             w = w * tl.load(INV + d_tok0 + a, mask=hit, other=0.0)
@@ -155,7 +156,7 @@ def maxsim_bwd_scatter_kernel(
 
 @triton.jit(
     do_not_specialize=[
-        "Nq", "K", "Lq", "Ld", "n_qseq", "n_qrows", "n_dseq", "n_drows", "sqs", "sds_b", "sds_k", "n_jb", "n_kb",
+        "Nq", "K", "Lq", "Ld", "n_qseq", "n_qrows", "n_dseq", "n_drows", "sqs", "sds_b", "sds_k", "sg", "n_jb", "n_kb",
     ]
 )  # fmt: skip
 def maxsim_bwd_dd_owned_kernel(
@@ -164,7 +165,7 @@ def maxsim_bwd_dd_owned_kernel(
     n_qseq, n_qrows, n_dseq, n_drows,
     sq_n, sq_l,
     sgd_b, sgd_k, sgd_l,
-    sqs, sds_b, sds_k,
+    sqs, sds_b, sds_k, sg,
     n_jb, n_kb,
     TQ: tl.constexpr, BN: tl.constexpr, BLOCK_K: tl.constexpr,
     Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr, SHARED_DOCS: tl.constexpr,
@@ -202,7 +203,7 @@ def maxsim_bwd_dd_owned_kernel(
             q = e
             p = e * K + kk
         q_base, q_tok0, q_len, _q_bad = query_segment(Q, QSEG, q, q >= 0, Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, Q_KIND)
-        g = tl.load(G + p)
+        g = tl.load(G + p * sg)
         for t0 in range(0, q_len, TQ):
             t = t0 + tl.arange(0, TQ)
             t_ok = t < q_len

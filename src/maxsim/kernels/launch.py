@@ -238,7 +238,10 @@ def backward(
     Q, D = _last_dim_contiguous(Q), _last_dim_contiguous(D)
     sg = _segs(Q, D, rg)
     shared = Bd == 1 and not sg.pairs
-    grad = grad.to(torch.float32).contiguous()
+    grad = grad.to(torch.float32)
+    if grad.stride(0) != grad.stride(1) * grad.shape[1]:
+        grad = grad.contiguous()  # the kernels read grad[q, k] at (q * K + k) * grad_stride
+    grad_stride = grad.stride(1)
     cfg = backward_config(Lq, dim)
     if normalize:
         norm_q, inv_q = _inverse_norms(Q)
@@ -248,7 +251,7 @@ def backward(
     n_queries = sg.n_q if sg.q_kind == OFFSETS else Q.shape[0]
     n_docs = sg.n_d if sg.d_kind == OFFSETS else K
     seg_args = (sg.n_q, sg.rows_q, sg.n_d, sg.rows_d)
-    seg_strides = (sg.sqs, sg.sds_b, sg.sds_k)
+    seg_strides = (sg.sqs, sg.sds_b, sg.sds_k, grad_stride)
     kinds = dict(Q_KIND=sg.q_kind, D_KIND=sg.d_kind)
 
     n_tb = triton_cdiv(Lq, cfg.BT)
