@@ -15,19 +15,32 @@ from . import cpu
 from .layout import Ragged
 
 
-def _packed(x: Tensor, seg: Tensor, max_len: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Packed ``x [rows, dim]`` with offsets ``seg [N + 1]`` as ``(padded [N, max_len, dim], valid [N, max_len],
-    row index [N, max_len] (clamped), bad [N])``."""
-    rows = x.shape[0]
+def _segment_rows(seg: Tensor, rows: int, max_len: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Offsets ``seg [N + 1]`` into ``rows`` packed rows as ``(row index [N, max_len] (clamped), valid
+    [N, max_len], bad [N])``."""
     s0, s1 = seg[:-1].long(), seg[1:].long()
     bad = (s0 < 0) | (s1 < s0) | (s1 > rows) | (s1 - s0 > max_len)
     s0c = s0.clamp(0, rows)
     n = (s1.clamp(max=rows) - s0c).clamp(min=0)
-    t = torch.arange(max_len, device=x.device)
+    t = torch.arange(max_len, device=seg.device)
     valid = t[None, :] < n[:, None]
     idx = (s0c[:, None] + t[None, :]).clamp(max=max(rows - 1, 0))
-    padded = x[idx] if rows > 0 else x.new_zeros((*idx.shape, x.shape[-1]))
-    return padded, valid, idx, bad
+    return idx, valid, bad
+
+
+def _gather(x: Tensor, idx: Tensor) -> Tensor:
+    """``x [rows, dim]`` at ``idx [...]`` -> ``[..., dim]`` (zeros when ``x`` has no rows)."""
+    if x.shape[0] == 0:
+        return x.new_zeros((*idx.shape, x.shape[-1]))
+    # index_select, not x[idx]: advanced indexing measured ~5x slower for these small gathers on CPU.
+    return torch.index_select(x, 0, idx.reshape(-1)).view(*idx.shape, x.shape[-1])
+
+
+def _packed(x: Tensor, seg: Tensor, max_len: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Packed ``x [rows, dim]`` with offsets ``seg [N + 1]`` as ``(padded [N, max_len, dim], valid [N, max_len],
+    row index [N, max_len] (clamped), bad [N])``."""
+    idx, valid, bad = _segment_rows(seg, x.shape[0], max_len)
+    return _gather(x, idx), valid, idx, bad
 
 
 def _lengths(lengths: Tensor, limit: int) -> tuple[Tensor, Tensor]:
@@ -73,29 +86,34 @@ def _pair_ids(rg: Ragged, nq: int, nd: int) -> tuple[Tensor, Tensor, Tensor]:
 
 def forward(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: Ragged) -> tuple[Tensor, Tensor]:
     """As :func:`maxsim.cpu.forward` for a ragged description: scores ``[Nq, K]`` (a pair list: ``[1, P]``)."""
+    if rg.pair_q is not None:
+        return _forward_pairs(Q, D, normalize, need_argmax, rg)
     dn = _Dense(Q, D, rg)
-    if rg.pair_q is None:
-        scores, argmax = cpu.forward(dn.Q, dn.D, dn.q_mask, dn.d_mask, normalize, need_argmax)
-        bad = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
-        if dn.q_bad is not None:
-            bad |= dn.q_bad[:, None]
-        if dn.d_bad is not None:
-            bad |= dn.d_bad if dn.d_bad.dim() == 2 else dn.d_bad[None, :]
-        return scores.masked_fill(bad, float("nan")), argmax
-    nq, nd = dn.Q.shape[0], dn.D.shape[1]
-    pq, pd, bad = _pair_ids(rg, nq, nd)
+    scores, argmax = cpu.forward(dn.Q, dn.D, dn.q_mask, dn.d_mask, normalize, need_argmax)
+    bad = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
     if dn.q_bad is not None:
-        bad = bad | dn.q_bad[pq]
+        bad |= dn.q_bad[:, None]
     if dn.d_bad is not None:
-        bad = bad | dn.d_bad[pd]
-    P, Lq, Ld, dim = pq.shape[0], dn.Q.shape[1], dn.D.shape[2], Q.shape[-1]
+        bad |= dn.d_bad if dn.d_bad.dim() == 2 else dn.d_bad[None, :]
+    return scores.masked_fill(bad, float("nan")), argmax
+
+
+def _forward_pairs(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: Ragged) -> tuple[Tensor, Tensor]:
+    """Pair lists, one block of pairs at a time, gathered straight from the packed rows (no padded copy of Q or
+    D as a whole)."""
+    q_idx, q_valid, q_bad = _segment_rows(rg.q_seg, Q.shape[0], rg.max_q)
+    d_idx, d_valid, d_bad = _segment_rows(rg.d_seg, D.shape[0], rg.max_d)
+    pq, pd, bad = _pair_ids(rg, q_idx.shape[0], d_idx.shape[0])
+    bad = bad | q_bad[pq] | d_bad[pd]
+    P, Lq, Ld, dim = pq.shape[0], rg.max_q, rg.max_d, Q.shape[-1]
     scores = torch.empty((1, P), dtype=torch.float64 if Q.dtype == torch.float64 else torch.float32, device=Q.device)
     argmax = torch.empty((1, P, Lq) if need_argmax else (0,), dtype=torch.int32, device=Q.device)
-    per_pair = (Lq + Ld) * dim * 8 + Lq * Ld * 8
-    for p0, p1 in _pair_blocks(rg, per_pair):
+    for p0, p1 in _pair_blocks(rg, (Lq + Ld) * dim * 8 + Lq * Ld * 8):
+        bq, bd = pq[p0:p1], pd[p0:p1]
+        q_rows, d_rows = q_idx.index_select(0, bq), d_idx.index_select(0, bd)
         s, a = cpu.forward(
-            dn.Q[pq[p0:p1]], dn.D[0, pd[p0:p1]][:, None], dn.q_mask[pq[p0:p1]], dn.d_mask[0, pd[p0:p1]][:, None],
-            normalize, need_argmax,
+            _gather(Q, q_rows), _gather(D, d_rows)[:, None], q_valid.index_select(0, bq),
+            d_valid.index_select(0, bd)[:, None], normalize, need_argmax,
         )  # fmt: skip
         scores[0, p0:p1] = s[:, 0]
         if need_argmax:
