@@ -12,6 +12,7 @@ Conventions (design.md §5):
 from __future__ import annotations
 
 import os
+import re
 import zlib
 from dataclasses import dataclass, replace
 
@@ -394,3 +395,18 @@ def check_parity(inp: Inputs, *, normalize=False, backward="auto", seed=0, exact
 
 def case_id(case) -> str:
     return "-".join(str(c) for c in case)
+
+
+def assert_rejected(fn, exc: type[Exception], patterns: list[str]) -> None:
+    """``fn()`` raises ``exc`` whose message matches every regular expression in ``patterns`` (argument name,
+    expected and actual value)."""
+    with pytest.raises(exc) as info:
+        fn()
+    msg = str(info.value)
+    missing = [p for p in patterns if not re.search(p, msg)]
+    assert not missing, f"message {msg!r} lacks {missing}"
+
+
+def word(s: str) -> str:
+    """A regular expression for ``s`` as a whole word (an argument name inside an error message)."""
+    return rf"(?<![A-Za-z0-9_]){re.escape(s)}(?![A-Za-z0-9_])"

@@ -19,7 +19,6 @@ any of the near-maximal document tokens; everywhere else the argmax must equal t
 from __future__ import annotations
 
 import itertools
-import re
 from dataclasses import dataclass
 
 import pytest
@@ -30,6 +29,7 @@ from helpers import (
     GAP_TOL,
     Inputs,
     assert_grads_close,
+    assert_rejected,
     assert_same_nan,
     assert_scores_close,
     int_grid,
@@ -42,6 +42,7 @@ from helpers import (
     similarities,
     unambiguous_tokens,
     upstream_grad,
+    word,
 )
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -363,22 +364,12 @@ def ragged_cases(draw, *, pairs: bool, size: str) -> Ragged:
     )
 
 
-def test_varlen_random(backend, device):
+@pytest.mark.parametrize("pairs", [False, True], ids=["varlen", "pairs_varlen"])
+def test_random_ragged_batches(pairs, backend, device):
     size = _size(backend, device)
 
     @_settings(size)
-    @given(case=ragged_cases(pairs=False, size=size))
-    def run(case):
-        check_ragged(case, device, any_ties=True)
-
-    run()
-
-
-def test_pairs_varlen_random(backend, device):
-    size = _size(backend, device)
-
-    @_settings(size)
-    @given(case=ragged_cases(pairs=True, size=size))
+    @given(case=ragged_cases(pairs=pairs, size=size))
     def run(case):
         check_ragged(case, device, any_ties=True)
 
@@ -636,10 +627,6 @@ def test_with_argmax_exact_ties_squeezed(backend, device):
 DIM = 8
 
 
-def _word(s: str) -> str:
-    return rf"(?<![A-Za-z0-9_]){re.escape(s)}(?![A-Za-z0-9_])"
-
-
 def _error_cases(device):
     """name -> (callable, accepted exception types, regexes that must all be in the message)."""
     Q = randn((5, DIM), seed=1, device=device)
@@ -668,42 +655,42 @@ def _error_cases(device):
 
     cases = {
         # dtypes / ranks of the offsets (no sync needed: always checked)
-        "cu_seqlens_q-float": (vl(cu_q=cq.float(), **given), T, [_word("cu_seqlens_q")]),
-        "cu_seqlens_d-float": (vl(cu_d=cd.double(), **given), T, [_word("cu_seqlens_d")]),
-        "cu_seqlens_q-2d": (vl(cu_q=cq[None], **given), V, [_word("cu_seqlens_q")]),
-        "cu_seqlens_d-0d": (vl(cu_d=cd[0], **given), V, [_word("cu_seqlens_d")]),
-        "pairs-cu_seqlens_q-float": (pv(cu_q=cq.float(), **given), T, [_word("cu_seqlens_q")]),
+        "cu_seqlens_q-float": (vl(cu_q=cq.float(), **given), T, [word("cu_seqlens_q")]),
+        "cu_seqlens_d-float": (vl(cu_d=cd.double(), **given), T, [word("cu_seqlens_d")]),
+        "cu_seqlens_q-2d": (vl(cu_q=cq[None], **given), V, [word("cu_seqlens_q")]),
+        "cu_seqlens_d-0d": (vl(cu_d=cd[0], **given), V, [word("cu_seqlens_d")]),
+        "pairs-cu_seqlens_q-float": (pv(cu_q=cq.float(), **given), T, [word("cu_seqlens_q")]),
         # offsets' values, validate=True
-        "cu_seqlens_q-start": (vl(cu_q=t([1, 2, 5]), validate=True, **given), V, [_word("cu_seqlens_q")]),
-        "cu_seqlens_q-decreasing": (vl(cu_q=t([0, 3, 2, 5]), validate=True, **given), V, [_word("cu_seqlens_q")]),
-        "cu_seqlens_q-end-short": (vl(cu_q=t([0, 2, 4]), validate=True, **given), V, [_word("cu_seqlens_q")]),
-        "cu_seqlens_q-end-long": (vl(cu_q=t([0, 2, 6], torch.int64), validate=True), V, [_word("cu_seqlens_q")]),
-        "cu_seqlens_d-start": (vl(cu_d=t([2, 3, 3, 7]), validate=True, **given), V, [_word("cu_seqlens_d")]),
-        "cu_seqlens_d-decreasing": (vl(cu_d=t([0, 4, 3, 7]), validate=True), V, [_word("cu_seqlens_d")]),
-        "cu_seqlens_d-end": (vl(cu_d=t([0, 3, 3, 6]), validate=True, **given), V, [_word("cu_seqlens_d")]),
+        "cu_seqlens_q-start": (vl(cu_q=t([1, 2, 5]), validate=True, **given), V, [word("cu_seqlens_q")]),
+        "cu_seqlens_q-decreasing": (vl(cu_q=t([0, 3, 2, 5]), validate=True, **given), V, [word("cu_seqlens_q")]),
+        "cu_seqlens_q-end-short": (vl(cu_q=t([0, 2, 4]), validate=True, **given), V, [word("cu_seqlens_q")]),
+        "cu_seqlens_q-end-long": (vl(cu_q=t([0, 2, 6], torch.int64), validate=True), V, [word("cu_seqlens_q")]),
+        "cu_seqlens_d-start": (vl(cu_d=t([2, 3, 3, 7]), validate=True, **given), V, [word("cu_seqlens_d")]),
+        "cu_seqlens_d-decreasing": (vl(cu_d=t([0, 4, 3, 7]), validate=True), V, [word("cu_seqlens_d")]),
+        "cu_seqlens_d-end": (vl(cu_d=t([0, 3, 3, 6]), validate=True, **given), V, [word("cu_seqlens_d")]),
         # validate=None validates when max_seqlen_* are omitted (the sync happens anyway)
-        "cu_seqlens_q-default-validate": (vl(cu_q=t([0, 3, 2, 5])), V, [_word("cu_seqlens_q")]),
-        "pairs-cu_seqlens_d-end": (pv(cu_d=t([0, 3, 3, 8]), validate=True, **given), V, [_word("cu_seqlens_d")]),
+        "cu_seqlens_q-default-validate": (vl(cu_q=t([0, 3, 2, 5])), V, [word("cu_seqlens_q")]),
+        "pairs-cu_seqlens_d-end": (pv(cu_d=t([0, 3, 3, 8]), validate=True, **given), V, [word("cu_seqlens_d")]),
         # pair ids
-        "pair_q-out-of-range": (pv(pair_q=t([0, 2, 1]), validate=True, **given), V, [_word("pair_q")]),
-        "pair_d-out-of-range": (pv(pair_d=t([0, 3, 1]), validate=True, **given), V, [_word("pair_d")]),
-        "pair_d-negative": (pv(pair_d=t([0, -1, 1], torch.int64), validate=True), V, [_word("pair_d")]),
+        "pair_q-out-of-range": (pv(pair_q=t([0, 2, 1]), validate=True, **given), V, [word("pair_q")]),
+        "pair_d-out-of-range": (pv(pair_d=t([0, 3, 1]), validate=True, **given), V, [word("pair_d")]),
+        "pair_d-negative": (pv(pair_d=t([0, -1, 1], torch.int64), validate=True), V, [word("pair_d")]),
         "pair-lengths-differ": (pv(pair_d=t([0, 1]), **given), V, [r"pair_q|pair_d"]),
-        "pair_q-float": (pv(pair_q=pq.float(), **given), T, [_word("pair_q")]),
-        "pair_d-2d": (pv(pair_d=pd[None], **given), V, [_word("pair_d")]),
+        "pair_q-float": (pv(pair_q=pq.float(), **given), T, [word("pair_q")]),
+        "pair_d-2d": (pv(pair_d=pd[None], **given), V, [word("pair_d")]),
         # tokens
-        "varlen-Q-3d": (lambda: maxsim.maxsim_varlen(Q[None], D, cq, cd, **given), V, [_word("Q")]),
+        "varlen-Q-3d": (lambda: maxsim.maxsim_varlen(Q[None], D, cq, cd, **given), V, [word("Q")]),
         "varlen-dim": (
             lambda: maxsim.maxsim_varlen(Q, randn((7, 16), seed=5, device=device), cq, cd, **given),
             V,
-            [_word("16"), _word("8")],
+            [word("16"), word("8")],
         ),
         # lengths of maxsim_padded
-        "query_lengths-shape": (pd_(q_len=t([4, 1, 2])), V, [_word("query_lengths")]),
-        "query_lengths-2d": (pd_(q_len=ql[:, None]), V, [_word("query_lengths")]),
-        "doc_lengths-1d": (pd_(d_len=t([6, 1])), V, [_word("doc_lengths")]),
-        "doc_lengths-shape": (pd_(d_len=t([[6, 0, 2, 1], [1, 6, 3, 1]])), V, [_word("doc_lengths")]),
-        "query_lengths-float": (pd_(q_len=ql.float()), T, [_word("query_lengths")]),
+        "query_lengths-shape": (pd_(q_len=t([4, 1, 2])), V, [word("query_lengths")]),
+        "query_lengths-2d": (pd_(q_len=ql[:, None]), V, [word("query_lengths")]),
+        "doc_lengths-1d": (pd_(d_len=t([6, 1])), V, [word("doc_lengths")]),
+        "doc_lengths-shape": (pd_(d_len=t([[6, 0, 2, 1], [1, 6, 3, 1]])), V, [word("doc_lengths")]),
+        "query_lengths-float": (pd_(q_len=ql.float()), T, [word("query_lengths")]),
     }
     return cases
 
@@ -713,12 +700,7 @@ ERROR_NAMES = list(_error_cases("cpu"))
 
 @pytest.mark.parametrize("name", ERROR_NAMES)
 def test_bad_input_is_rejected(name, backend, device):
-    fn, exc, patterns = _error_cases(device)[name]
-    with pytest.raises(exc) as info:
-        fn()
-    msg = str(info.value)
-    missing = [p for p in patterns if not re.search(p, msg)]
-    assert not missing, f"message {msg!r} lacks {missing}"
+    assert_rejected(*_error_cases(device)[name])
 
 
 # ----------------------------------------------------------------------------------------------------

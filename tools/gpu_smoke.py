@@ -182,7 +182,6 @@ def timings() -> None:
         print(f"train {name:28s} " + " ".join(f"{x:>10s}" for x in row), flush=True)
 
 
-
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-time", action="store_true")

@@ -72,10 +72,45 @@ def no_sync() -> None:
         torch.cuda.set_sync_debug_mode(0)
 
 
+def race(label: str, ours, ref, ours_inputs: tuple, ref_inputs: tuple, to_ours=None) -> dict:
+    """Time ``ours(*ours_inputs)`` against ``ref(*ref_inputs)`` (same data, another layout), inference and a
+    training step; ``to_ours`` maps the reference's scores onto ours for the equality check. Returns the two
+    training steps, for profiling."""
+    with torch.no_grad():
+        a, b = ours(*ours_inputs), ref(*ref_inputs)
+        t_ours, t_ref = do_bench(lambda: ours(*ours_inputs)), do_bench(lambda: ref(*ref_inputs))
+    b = b if to_ours is None else to_ours(b)
+    print(f"speed {label}: ours {t_ours:.4f} ms, reference layout {t_ref:.4f} ms, ratio {t_ours / t_ref:.2f}, "
+          f"max diff {(a - b).abs().max().item():.2e}")  # fmt: skip
+    steps = {}
+    for name, fn, (Q, D) in (("ours", ours, ours_inputs), ("reference layout", ref, ref_inputs)):
+        Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+        steps[name] = lambda fn=fn, Qg=Qg, Dg=Dg: torch.autograd.grad(fn(Qg, Dg).sum(), (Qg, Dg))
+    t_ours, t_ref = do_bench(steps["ours"]), do_bench(steps["reference layout"])
+    print(f"speed train {label}: ours {t_ours:.4f} ms, reference layout {t_ref:.4f} ms, ratio {t_ours / t_ref:.2f}")
+    return steps
+
+
+def profile(label: str, steps: dict) -> None:
+    """Where a training step spends its time, kernel by kernel (GPU) and op by op (host)."""
+    for name, step in steps.items():
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(10):
+                step()
+            torch.cuda.synchronize()
+        print(f"profile of 10 training steps, {label}, {name}:")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+
+
 def speed() -> None:
     g = torch.Generator().manual_seed(1)
     dt = torch.bfloat16
-    # varlen cross: 64 queries (8..32 tokens) x 256 documents (20..1000 tokens, log-normal)
+    # varlen cross: 64 queries (8..32 tokens) x 256 documents (20..1000 tokens, log-normal), against the padded
+    # dense call on the same tokens (padding done here, outside the timed region)
     lq = torch.randint(8, 33, (64,), generator=g)
     ld = torch.exp(torch.randn(256, generator=g) * 0.8 + 5.0).round().clamp(20, 1000).long()
     Q = torch.randn(int(lq.sum()), 128, generator=g).to(dt).cuda()
@@ -88,25 +123,15 @@ def speed() -> None:
     dm = torch.arange(md, device="cuda")[None] < ld.cuda()[:, None]
     Qp[qm] = Q
     Dp[dm] = D
-    t_var = do_bench(lambda: maxsim.maxsim_varlen(Q, D, cu_q, cu_d, max_seqlen_q=mq, max_seqlen_d=md))
-    t_pad = do_bench(lambda: maxsim.maxsim(Qp, Dp, qm, dm))
-    a = maxsim.maxsim_varlen(Q, D, cu_q, cu_d, max_seqlen_q=mq, max_seqlen_d=md)
-    b = maxsim.maxsim(Qp, Dp, qm, dm)
-    print(
-        f"speed varlen 64x256 (Lq 8..32, Ld 20..1000 mean {ld.float().mean():.0f}, max {md}): varlen {t_var:.4f} ms,"
-        f" padded dense {t_pad:.4f} ms, ratio {t_var / t_pad:.2f}, max diff {(a - b).abs().max().item():.2e}"
+    race(
+        f"varlen 64x256 (Lq 8..32, Ld 20..1000 mean {ld.float().mean():.0f}, max {md}) vs padded dense",
+        lambda q, d: maxsim.maxsim_varlen(q, d, cu_q, cu_d, max_seqlen_q=mq, max_seqlen_d=md),
+        lambda q, d: maxsim.maxsim(q, d, qm, dm),
+        (Q, D),
+        (Qp, Dp),
     )
-    Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
-    Qpg, Dpg = Qp.clone().requires_grad_(), Dp.clone().requires_grad_()
-    t_var = do_bench(
-        lambda: torch.autograd.grad(
-            maxsim.maxsim_varlen(Qg, Dg, cu_q, cu_d, max_seqlen_q=mq, max_seqlen_d=md).sum(), (Qg, Dg)
-        )
-    )
-    t_pad = do_bench(lambda: torch.autograd.grad(maxsim.maxsim(Qpg, Dpg, qm, dm).sum(), (Qpg, Dpg)))
-    print(f"speed train varlen 64x256: varlen {t_var:.4f} ms, padded dense {t_pad:.4f} ms, ratio {t_var / t_pad:.2f}")
 
-    # pair list on dense-equivalent input vs candidates 32x100 Lq32 Ld256
+    # pair list on dense-equivalent input (3200 shuffled pairs) vs candidates 32x100 Lq32 Ld256
     B, K, Lq, Ld = 32, 100, 32, 256
     Qc = torch.randn(B, Lq, 128, generator=g).to(dt).cuda()
     Dc = torch.randn(B, K, Ld, 128, generator=g).to(dt).cuda()
@@ -114,41 +139,15 @@ def speed() -> None:
     cu_d = torch.arange(0, (B * K + 1) * Ld, Ld, device="cuda", dtype=torch.int32)
     perm = torch.randperm(B * K, generator=g).cuda()
     pq, pd = perm // K, perm
-    Qf, Df = Qc.reshape(-1, 128), Dc.reshape(-1, 128)
-    t_pairs = do_bench(lambda: maxsim.maxsim_pairs_varlen(Qf, Df, cu_q, cu_d, pq, pd, max_seqlen_q=Lq, max_seqlen_d=Ld))
-    t_cand = do_bench(lambda: maxsim.maxsim(Qc, Dc))
-    a = maxsim.maxsim_pairs_varlen(Qf, Df, cu_q, cu_d, pq, pd, max_seqlen_q=Lq, max_seqlen_d=Ld)
-    b = maxsim.maxsim(Qc, Dc).reshape(-1)[perm]
-    print(
-        f"speed pair list 3200 pairs (= cand 32x100 Lq32 Ld256): pairs {t_pairs:.4f} ms, candidates {t_cand:.4f} ms,"
-        f" ratio {t_pairs / t_cand:.2f}, max diff {(a - b).abs().max().item():.2e}"
+    steps = race(
+        "pair list 3200 pairs vs candidates 32x100 Lq32 Ld256",
+        lambda q, d: maxsim.maxsim_pairs_varlen(q, d, cu_q, cu_d, pq, pd, max_seqlen_q=Lq, max_seqlen_d=Ld),
+        maxsim.maxsim,
+        (Qc.reshape(-1, 128), Dc.reshape(-1, 128)),
+        (Qc, Dc),
+        to_ours=lambda s: s.reshape(-1)[perm],
     )
-    Qfg, Dfg = Qf.clone().requires_grad_(), Df.clone().requires_grad_()
-    Qcg, Dcg = Qc.clone().requires_grad_(), Dc.clone().requires_grad_()
-    t_pairs = do_bench(
-        lambda: torch.autograd.grad(
-            maxsim.maxsim_pairs_varlen(Qfg, Dfg, cu_q, cu_d, pq, pd, max_seqlen_q=Lq, max_seqlen_d=Ld).sum(), (Qfg, Dfg)
-        )
-    )
-    t_cand = do_bench(lambda: torch.autograd.grad(maxsim.maxsim(Qcg, Dcg).sum(), (Qcg, Dcg)))
-    print(f"speed train pair list: pairs {t_pairs:.4f} ms, candidates {t_cand:.4f} ms, ratio {t_pairs / t_cand:.2f}")
-    # Where a pair-list training step spends its time, kernel by kernel (GPU) and op by op (host).
-    steps = {
-        "pair list": lambda: torch.autograd.grad(maxsim.maxsim_pairs_varlen(
-            Qfg, Dfg, cu_q, cu_d, pq, pd, max_seqlen_q=Lq, max_seqlen_d=Ld).sum(), (Qfg, Dfg)),
-        "candidates": lambda: torch.autograd.grad(maxsim.maxsim(Qcg, Dcg).sum(), (Qcg, Dcg)),
-    }  # fmt: skip
-    for name, step in steps.items():
-        for _ in range(5):
-            step()
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:  # fmt: skip
-            for _ in range(10):
-                step()
-            torch.cuda.synchronize()
-        print(f"profile of 10 training steps, {name}:")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+    profile("pair list vs candidates", steps)
 
 
 def main() -> None:

@@ -12,10 +12,10 @@ import argparse
 import itertools
 import json
 import os
-import time
 
 import torch
 import triton
+from host_profile import host_us  # tools/ is on sys.path when this runs as a script
 
 import maxsim
 from maxsim import ops
@@ -47,9 +47,7 @@ def candidates(Lq: int, dim: int, Nq: int, shared: bool, quick: bool):
     tq_opts = sorted({min(256, max(16, triton.next_power_of_2(Lq))), min(128, max(16, triton.next_power_of_2(Lq)))})
     if Lq > 128:
         tq_opts = [64, 128, 256]
-    for tq, rows, bn, nw, ns in itertools.product(
-        tq_opts, (32, 64, 128, 256), (32, 64, 128), (4, 8), (2, 3, 4, 5)
-    ):
+    for tq, rows, bn, nw, ns in itertools.product(tq_opts, (32, 64, 128, 256), (32, 64, 128), (4, 8), (2, 3, 4, 5)):
         if rows < tq or (not shared and rows != tq):
             continue
         if quick and ns != 3 and rows > 32:
@@ -98,17 +96,6 @@ def host_overhead() -> dict:
     Qc, Dc = Q, D.unsqueeze(0)
     Qg = Q.clone().requires_grad_()
     Dg = D.clone().requires_grad_()
-
-    def host_us(fn, n=300):
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        dt = (time.perf_counter() - t) / n * 1e6
-        torch.cuda.synchronize()
-        return dt
 
     s, arg = launch.forward(Qc, Dc, None, None, False, True)
     g = torch.ones_like(s)
