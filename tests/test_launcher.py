@@ -39,7 +39,7 @@ class FakeKernel:
 @pytest.fixture
 def fake_gpu(monkeypatch):
     monkeypatch.setattr(launcher, "INTERPRETER", False)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launcher, "_current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
 
 

@@ -76,7 +76,7 @@ class Ragged:
     backward: str = "auto"
     return_argmax: bool = True
     exact: bool = False  # integer-valued tokens: exact ties in every dtype, every gradient entry compared
-    noncontig: bool = False  # Q and D as strided views
+    noncontig: bool = False  # Q, D, the offsets and the pair ids as strided views
     seed: int = 0
 
     def __repr__(self) -> str:  # short ids / hypothesis reports: only what differs from the defaults
@@ -140,12 +140,16 @@ def build(case: Ragged, device) -> Built:
     seed = case.seed or seed_of(case)
     Q = packed_tokens(sum(case.q_lens), case, seed=seed, device=device)
     D = packed_tokens(sum(case.d_lens), case, seed=seed + 1, device=device)
+    cu_q, cu_d = offsets(case.q_lens, case.index, device), offsets(case.d_lens, case.index, device)
     pq = pd = None
     if case.pairs is not None:
-        idx = INDEX_DTYPES[case.index]
-        pq = torch.tensor([p[0] for p in case.pairs], dtype=idx, device=device)
-        pd = torch.tensor([p[1] for p in case.pairs], dtype=idx, device=device)
-    return Built(Q, D, offsets(case.q_lens, case.index, device), offsets(case.d_lens, case.index, device), pq, pd)
+        pairs = torch.tensor(case.pairs, dtype=INDEX_DTYPES[case.index], device=device).view(-1, 2)
+        pq, pd = pairs[:, 0], pairs[:, 1]  # columns of a [P, 2] tensor: strided
+        if not case.noncontig:
+            pq, pd = pq.contiguous(), pd.contiguous()
+    if case.noncontig:  # offsets as the first column of a two-column buffer (the other column: garbage)
+        cu_q, cu_d = (torch.stack([cu, -7 - cu], dim=1)[:, 0] for cu in (cu_q, cu_d))
+    return Built(Q, D, cu_q, cu_d, pq, pd)
 
 
 def lib_call(case: Ragged, b: Built, Q=None, D=None):
@@ -407,7 +411,7 @@ PAIR_CASES = [
     (Ragged((3, 0, 17), (33, 0, 1), pairs=((2, 0), (0, 2), (2, 0), (1, 0), (0, 1), (2, 2), (2, 0))), False),
     (Ragged((129, 3), (64, 65), pairs=((0, 1), (1, 0), (0, 0), (0, 1)), dtype="fp16", index="int64"), False),
     (Ragged((5, 8), (7, 3), pairs=((1, 1), (0, 0), (1, 1), (0, 1)), dim=8, dtype="bf16", exact=True), False),
-    (Ragged((16, 32, 2), (64, 15), pairs=((2, 1), (0, 0), (1, 1), (1, 0)), dim=32, noncontig=True), False),
+    (Ragged((16, 32, 2), (64, 15), pairs=((2, 1), (0, 0), (1, 1), (1, 0)), dim=32, noncontig=True), True),
     (Ragged((17, 4), (9, 33), pairs=((1, 0), (0, 1)), max_seqlen="bound", dtype="fp16", validate=True), False),
     (Ragged((4, 2), (3,), pairs=(), dim=8), False),  # no pair
     (Ragged((0, 0), (0, 3), pairs=((1, 0), (0, 1), (0, 1)), dim=8), False),

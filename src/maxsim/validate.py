@@ -73,7 +73,8 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def index_tensor(name: str, x: object, ndim: int, device: torch.device) -> Tensor:
-    """An int32/int64 tensor of rank ``ndim`` on ``device`` (offsets, lengths, pair ids)."""
+    """An int32/int64 tensor of rank ``ndim`` on ``device`` (offsets, lengths, pair ids), made contiguous: the
+    kernels read offsets and pair ids at unit stride (a column of a ``[P, 2]`` pair tensor is a strided view)."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{name}: expected an int32 or int64 torch.Tensor, got {type(x).__name__}")
     if x.dtype not in INDEX_DTYPES:
@@ -82,7 +83,7 @@ def index_tensor(name: str, x: object, ndim: int, device: torch.device) -> Tenso
         raise ValueError(f"{name}: expected a {ndim}-D tensor, got {x.dim()}-D with shape {tuple(x.shape)}")
     if x.device != device:
         raise ValueError(f"{name}: expected device {device} (as Q), got {x.device}")
-    return x
+    return x.contiguous()
 
 
 def offsets(name: str, x: object, device: torch.device) -> Tensor:

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from ..cpu import project_normalized_grad
 from ..layout import NORM_EPS, Ragged, dims
+from . import csr as csr_kernel
 from .backward import maxsim_bwd_dd_owned_kernel, maxsim_bwd_dq_kernel, maxsim_bwd_scatter_kernel
 from .configs import ForwardConfig, backward_config, forward_config
 from .forward import maxsim_fwd_kernel
@@ -23,6 +24,7 @@ _fwd = Launcher(maxsim_fwd_kernel)
 _bwd_dq = Launcher(maxsim_bwd_dq_kernel)
 _bwd_scatter = Launcher(maxsim_bwd_scatter_kernel)
 _bwd_dd_owned = Launcher(maxsim_bwd_dd_owned_kernel)
+_csr = Launcher(csr_kernel.csr_count_kernel)
 
 DENSE, OFFSETS, LENGTHS = 0, 1, 2  # segment kinds, as in kernels/segments.py
 
@@ -65,6 +67,15 @@ class _Segs(NamedTuple):
     sqs: int  # stride of query lengths
     sds_b: int  # strides of document lengths
     sds_k: int
+
+
+def _ragged_key(rg: Ragged | None) -> tuple | None:
+    """What a forward plan depends on in a ragged description: which tensors are given, their shapes and strides
+    (never their values), and the maximum lengths."""
+    if rg is None:
+        return None
+    shapes = tuple(None if t is None else (t.shape, t.stride()) for t in (rg.q_seg, rg.d_seg, rg.pair_q))
+    return shapes + (rg.max_q, rg.max_d)
 
 
 def _segs(Q: Tensor, D: Tensor, rg: Ragged | None) -> _Segs:
@@ -132,18 +143,18 @@ def forward(
     """Scores ``[Nq, K]`` fp32 and argmax ``[Nq, K, Lq]`` int32 (None unless ``need_argmax``).
 
     A pair list gives ``[1, P]`` and ``[1, P, Lq]``. ``cfg`` overrides the launch table (offline tuning only).
-    Dense calls reuse a plan keyed by shapes, strides and flags, so a repeated call costs two allocations and a
-    launch of host work."""
+    Calls reuse a plan keyed by shapes, strides, flags and maximum lengths (never values), so a repeated call
+    costs its allocations and a launch of host work."""
     key = None
-    if rg is None and cfg is None:
+    if cfg is None:
         key = (
             Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype,
             None if q_mask is None else q_mask.stride(), None if d_mask is None else d_mask.stride(),
-            normalize, need_argmax, torch.get_float32_matmul_precision(),
+            normalize, need_argmax, torch.get_float32_matmul_precision(), _ragged_key(rg),
         )  # fmt: skip
         plan = _plans.get(key)
         if plan is not None:
-            return _run_forward(plan, Q, D, q_mask, d_mask, None, need_argmax)
+            return _run_forward(plan, Q, D, q_mask, d_mask, None if rg is None else _segs(Q, D, rg), need_argmax)
     Nq, Lq, Bd, K, Ld, dim = dims(Q, D, rg)
     if Nq == 0 or K == 0 or Lq == 0 or Ld == 0:
         scores = torch.zeros((Nq, K), dtype=torch.float32, device=Q.device)
@@ -216,7 +227,15 @@ def _inverse_norms(x: Tensor) -> tuple[Tensor, Tensor]:
 
 def csr(ids: Tensor, n: int) -> tuple[Tensor, Tensor]:
     """Group pair indices by ``ids`` (values in ``[0, n)``) without a host sync: ``(offsets [n + 1], order [P])``;
-    group ``i`` is ``order[offsets[i]:offsets[i + 1]]``, in increasing pair order (stable sort)."""
+    group ``i`` is ``order[offsets[i]:offsets[i + 1]]``, in increasing pair order. Short lists: one counting
+    launch (:mod:`.csr`); long ones: a stable sort. Same groups either way (the choice depends on shapes only)."""
+    P = ids.shape[0]
+    if P * (P + n) <= csr_kernel.MAX_WORK:
+        offsets = torch.empty(n + 1, dtype=torch.int32, device=ids.device)
+        order = torch.empty(P, dtype=torch.int32, device=ids.device)
+        programs, n_pblocks = csr_kernel.grid(P, n)
+        _csr(programs, (ids, offsets, order), (P, n, n_pblocks), dict(BP=csr_kernel.BP, BC=csr_kernel.BC), 4)
+        return offsets, order
     ids_sorted, order = torch.sort(ids, stable=True)
     bounds = torch.arange(n + 1, device=ids.device, dtype=ids.dtype)
     return torch.searchsorted(ids_sorted, bounds), order

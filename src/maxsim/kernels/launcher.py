@@ -31,6 +31,11 @@ def _hooked(hook: Any) -> bool:
     return bool(calls) if calls is not None else True
 
 
+def _current_device() -> int:
+    # torch.cuda.current_device() without its lazy-init check (~2 µs): a launch only follows CUDA tensors.
+    return torch._C._cuda_getDevice()
+
+
 class Launcher:
     """``Launcher(kernel)(grid, tensors, ints, constexprs, num_warps, num_stages)`` ≡
     ``kernel[(grid,)](*tensors, *ints, **constexprs, num_warps=..., num_stages=...)``, for kernels whose parameters
@@ -41,6 +46,11 @@ class Launcher:
         # (Under the interpreter the kernel is an InterpretedFunction, launched the plain way only.)
         self._names = [] if INTERPRETER else [kernel.arg_names[i] for i in kernel.constexprs]
         self._known: OrderedDict[tuple, tuple] = OrderedDict()
+        self._runtime_knobs = None
+        if not INTERPRETER:
+            from triton import knobs  # (once here, not per launch)
+
+            self._runtime_knobs = knobs.runtime
 
     def __call__(
         self, grid: int, tensors: tuple, ints: tuple, constexprs: dict, num_warps: int, num_stages: int = 3
@@ -48,16 +58,15 @@ class Launcher:
         if INTERPRETER:
             self.kernel[(grid,)](*tensors, *ints, **constexprs, num_warps=num_warps, num_stages=num_stages)
             return
-        from triton import knobs
-
-        device = torch.cuda.current_device()
+        device = _current_device()
         # Everything Triton specializes on: integer values (a superset of "== 1" and "divisible by 16"), tensor
         # dtypes and 16-byte alignment, the constexprs and the launch options.
         key = (
             device, num_warps, num_stages, ints, tuple(constexprs.values()),
             tuple([(t.dtype, t.data_ptr() & 15) for t in tensors]),
         )  # fmt: skip
-        hooks = _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)
+        rt = self._runtime_knobs
+        hooks = _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook)
         hit = None if hooks else self._known.get(key)
         if hit is None:
             compiled = self.kernel[(grid,)](*tensors, *ints, **constexprs, num_warps=num_warps, num_stages=num_stages)
