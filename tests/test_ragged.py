@@ -428,9 +428,18 @@ def test_varlen_cases(case, keep, backend, device):
     check_ragged(case, device)
 
 
+@pytest.mark.parametrize("index", ["scan", "csr"])
 @pytest.mark.parametrize("case,keep", PAIR_CASES, ids=_case_ids(PAIR_CASES))
-def test_pairs_varlen_cases(case, keep, backend, device):
+def test_pairs_varlen_cases(case, keep, index, backend, device, monkeypatch):
+    """``index``: the Triton backward finds each query's and document's pairs by scanning the ids (short lists, the
+    default at these sizes) or through CSR indexes (long lists; forced here)."""
     keep_under_interpreter(keep, backend, device)
+    if index == "csr":
+        if backend != "triton":
+            pytest.skip("the CSR/scan choice is the Triton backward's")
+        from maxsim.kernels import launch
+
+        monkeypatch.setattr(launch, "PAIR_SCAN_MAX_WORK", 0)
     check_ragged(case, device)
 
 

@@ -99,7 +99,10 @@ def main() -> None:
                     s, a = launch.forward(Qp, Dp, None, None, normalize, True, rg)
                     a = torch.zeros(s.shape + (lq,), dtype=torch.int32)
                     for det in (False, True):
-                        launch.backward(torch.ones(s.shape), Qp, Dp, a, normalize, det, rg)
+                        for scan_limit in (launch.PAIR_SCAN_MAX_WORK, 0):  # pair ids scanned, then indexed
+                            launch.PAIR_SCAN_MAX_WORK, before = scan_limit, launch.PAIR_SCAN_MAX_WORK
+                            launch.backward(torch.ones(s.shape), Qp, Dp, a, normalize, det, rg)
+                            launch.PAIR_SCAN_MAX_WORK = before
                 Dc = torch.randn(4, 3, 40, dim, dtype=dt)
                 rg = Ragged(torch.full((4,), 2), torch.full((4, 3), 9), None, None, lq, 40)
                 s, a = launch.forward(Q, Dc, None, None, normalize, True, rg)

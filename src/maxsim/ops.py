@@ -182,15 +182,21 @@ class _MaxSimFunction(torch.autograd.Function):
         scores, argmax = forward_impl(Q, D, q_mask, d_mask, normalize, True, impl, rg)
         ctx.save_for_backward(Q, D, argmax)
         ctx.normalize, ctx.impl, ctx.deterministic, ctx.rg = normalize, impl, deterministic, rg
-        ctx.mark_non_differentiable(argmax)
         # No zero-filled gradient for the (non-differentiable) argmax output: one allocation and fill fewer per step.
         ctx.set_materialize_grads(False)
+        if rg is not None and rg.pair_q is not None:
+            # A pair list's [1, P] grid leaves as [P] here rather than through a view after the call: one autograd
+            # node fewer per step (host time is what a small pair-list step is made of).
+            scores, argmax = scores.view(-1), argmax.view(argmax.shape[1:])
+        ctx.mark_non_differentiable(argmax)
         return scores, argmax
 
     @staticmethod
     def backward(ctx, grad_scores, _grad_argmax):
         if grad_scores is None:
             return (None,) * 8
+        if grad_scores.dim() == 1:  # a pair list's [P] scores (see forward)
+            grad_scores = grad_scores.view(1, -1)
         Q, D, argmax = ctx.saved_tensors
         dQ, dD = backward_impl(grad_scores, Q, D, argmax, ctx.normalize, ctx.deterministic, ctx.impl, ctx.rg)
         return dQ, dD, None, None, None, None, None, None

@@ -168,10 +168,14 @@ def maxsim_pairs_varlen(
         max_q, max_d = _read_back(cu_q, cu_d, Q.shape[0], D.shape[0], (pq, pd), max_q, max_d, check is not False)
     rg = Ragged(cu_q, cu_d, pq, pd, max_q, max_d)
     out = maxsim_canonical(Q, D, None, None, normalize, choose_impl(Q), _deterministic(backward), rg, return_argmax)
-    # Views of the [1, P] grid (not selects): their backward is a reshape, not a zero-filled copy.
-    if return_argmax:
-        return out[0].view(-1), out[1].view(out[1].shape[1:])
-    return out.view(-1)
+    # The [1, P] grid as [P]: views (their backward is a reshape, not a zero-filled copy), where the eager autograd
+    # path has not returned [P] already.
+    scores, argmax = out if return_argmax else (out, None)
+    if scores.dim() == 2:
+        scores = scores.view(-1)
+    if argmax is not None and argmax.dim() == 3:
+        argmax = argmax.view(argmax.shape[1:])
+    return (scores, argmax) if return_argmax else scores
 
 
 def maxsim_padded(

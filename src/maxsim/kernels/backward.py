@@ -15,7 +15,10 @@ The scatter comes in two flavours sharing the same inputs:
   (``onehot[BN, TQ] @ Q[TQ, dim]``), so the sum order never changes and no atomics are used.
 
 Layouts are resolved by :mod:`.segments` exactly as in the forward. A pair list (``PAIR_LIST``) walks its pairs
-through two CSR indexes built on the device (pairs sorted by query for dQ, by document for dD).
+through two CSR indexes built on the device (pairs grouped by query for dQ, by document for dD); a short one
+(``PAIR_SCAN``, chosen from shapes) finds each query's or document's pairs by scanning all pair ids instead, which
+visits the same pairs in the same order without building an index (no extra launches: small pair-list steps are
+bound by host time, not by the GPU).
 
 With ``normalize=True`` the kernels produce gradients w.r.t. the normalized tokens (they scale by the inverse norms,
 per-token arrays); the per-token projection back to the raw tokens happens once per token afterwards.
@@ -30,6 +33,8 @@ import triton.language as tl
 
 from .segments import OFFSETS, doc_segment, query_segment
 
+SCAN = tl.constexpr(1024)  # pair ids compared per step when a short pair list is scanned (PAIR_SCAN)
+
 
 @triton.jit
 def _pair(q, e, K, PERM, PD, PAIR_LIST: tl.constexpr):
@@ -41,13 +46,32 @@ def _pair(q, e, K, PERM, PD, PAIR_LIST: tl.constexpr):
         return q * K + e, q * 0 + e
 
 
+@triton.jit
+def _dq_add(
+    acc, p, doc, b, t, t_ok, kd, kd_ok, G, ARG, D, INV_D, DSEG,
+    K, Lq, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, sg,
+    BT: tl.constexpr, D_KIND: tl.constexpr, NORMALIZE: tl.constexpr,
+):  # fmt: skip
+    """``acc [BT, DIM_P]`` plus pair ``p``'s share of dQ for query tokens ``t``: ``g · D[doc, argmax]``."""
+    d_base, d_tok0, _d_len, _d_bad = doc_segment(
+        D, DSEG, b, doc, K, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, D_KIND
+    )
+    a = tl.load(ARG + p * Lq + t, mask=t_ok, other=-1)
+    hit = a >= 0
+    w = tl.load(G + p * sg) + tl.zeros([BT], dtype=tl.float32)
+    if NORMALIZE:
+        w = w * tl.load(INV_D + d_tok0 + a, mask=hit, other=0.0)
+    rows = tl.load(d_base + a[:, None] * sd_l + kd[None, :], mask=hit[:, None] & kd_ok[None, :], other=0.0)
+    return acc + rows.to(tl.float32) * w[:, None]
+
+
 @triton.jit(
     do_not_specialize=[
         "Nq", "K", "Lq", "Ld", "n_qseq", "n_qrows", "n_dseq", "n_drows", "sqs", "sds_b", "sds_k", "sg", "n_tb",
     ]
 )  # fmt: skip
 def maxsim_bwd_dq_kernel(
-    G, ARG, D, INV_D, DQ, QSEG, DSEG, PD, QOFF, QPERM,
+    G, ARG, D, INV_D, DQ, QSEG, DSEG, PQ, PD, QOFF, QPERM,
     Nq, K, Lq, Ld, dim,
     n_qseq, n_qrows, n_dseq, n_drows,
     sd_b, sd_k, sd_l,
@@ -56,7 +80,7 @@ def maxsim_bwd_dq_kernel(
     n_tb,
     BT: tl.constexpr, DIM_P: tl.constexpr,
     Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr, SHARED_DOCS: tl.constexpr,
-    NORMALIZE: tl.constexpr,
+    NORMALIZE: tl.constexpr, PAIR_SCAN: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     q = (pid // n_tb).to(tl.int64)
@@ -69,25 +93,31 @@ def maxsim_bwd_dq_kernel(
     kd = tl.arange(0, DIM_P)
     kd_ok = kd < dim
     acc = tl.zeros([BT, DIM_P], dtype=tl.float32)
-    if PAIR_LIST:
-        e_lo = tl.load(QOFF + q).to(tl.int64)
-        e_hi = tl.load(QOFF + q + 1).to(tl.int64)
-    else:
-        e_lo = q * 0
-        e_hi = q * 0 + K
     b = q * 0 if SHARED_DOCS else q
-    for e in range(e_lo, e_hi):
-        p, doc = _pair(q, e, K, QPERM, PD, PAIR_LIST)
-        d_base, d_tok0, _d_len, _d_bad = doc_segment(
-            D, DSEG, b, doc, K, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, D_KIND
-        )
-        a = tl.load(ARG + p * Lq + t, mask=t_ok, other=-1)
-        hit = a >= 0
-        w = tl.load(G + p * sg) + tl.zeros([BT], dtype=tl.float32)
-        if NORMALIZE:
-            w = w * tl.load(INV_D + d_tok0 + a, mask=hit, other=0.0)
-        rows = tl.load(d_base + a[:, None] * sd_l + kd[None, :], mask=hit[:, None] & kd_ok[None, :], other=0.0)
-        acc += rows.to(tl.float32) * w[:, None]
+    if PAIR_SCAN:  # a short pair list: find this query's pairs by scanning all P = K of them, in pair order
+        for c0 in range(0, K, SCAN):
+            cols = c0 + tl.arange(0, SCAN)
+            mine = tl.load(PQ + cols, mask=cols < K, other=-1) == q
+            rank = tl.cumsum(mine.to(tl.int32), 0)
+            for h in range(0, tl.sum(mine.to(tl.int32), 0)):
+                p = tl.sum(tl.where(mine & (rank == h + 1), cols, 0), 0).to(tl.int64)
+                acc = _dq_add(
+                    acc, p, tl.load(PD + p).to(tl.int64), b, t, t_ok, kd, kd_ok, G, ARG, D, INV_D, DSEG,
+                    K, Lq, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, sg, BT, D_KIND, NORMALIZE,
+                )  # fmt: skip
+    else:
+        if PAIR_LIST:
+            e_lo = tl.load(QOFF + q).to(tl.int64)
+            e_hi = tl.load(QOFF + q + 1).to(tl.int64)
+        else:
+            e_lo = q * 0
+            e_hi = q * 0 + K
+        for e in range(e_lo, e_hi):
+            p, doc = _pair(q, e, K, QPERM, PD, PAIR_LIST)
+            acc = _dq_add(
+                acc, p, doc, b, t, t_ok, kd, kd_ok, G, ARG, D, INV_D, DSEG,
+                K, Lq, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, sg, BT, D_KIND, NORMALIZE,
+            )  # fmt: skip
     # Padded rows (past a query's length, inside its padding) are written too: their gradient is zero.
     t_store = t_ok if Q_KIND == OFFSETS else t < Lq
     out = dq_base + t[:, None] * sdq_l + kd[None, :]
@@ -154,14 +184,44 @@ def maxsim_bwd_scatter_kernel(
         tl.atomic_add(d_ptrs, rows.to(tl.float32) * w[:, None], mask=mask, sem="relaxed")
 
 
+@triton.jit
+def _dd_add(
+    acc, p, q, j, kd, kd_ok, G, ARG, Q, INV_Q, QSEG,
+    Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, sg,
+    TQ: tl.constexpr, Q_KIND: tl.constexpr, NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):  # fmt: skip
+    """``acc [BN, BLOCK_K]`` plus pair ``p``'s (query ``q``) share of dD for document tokens ``j``."""
+    q_base, q_tok0, q_len, _q_bad = query_segment(Q, QSEG, q, q >= 0, Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, Q_KIND)
+    g = tl.load(G + p * sg)
+    for t0 in range(0, q_len, TQ):
+        t = t0 + tl.arange(0, TQ)
+        t_ok = t < q_len
+        a = tl.load(ARG + p * Lq + t, mask=t_ok, other=-1)
+        hit = a[None, :] == j[:, None]  # [BN, TQ]; a == -1 never matches
+        # Unchosen tokens are not loaded: a masked query token may hold NaN, and 0 * NaN is NaN in the MMA.
+        qt = tl.load(q_base + t[:, None] * sq_l + kd[None, :], mask=(a >= 0)[:, None] & kd_ok[None, :], other=0.0)
+        if NORMALIZE:
+            w = g * tl.load(INV_Q + q_tok0 + t, mask=t_ok, other=0.0)
+            sel = tl.where(hit, w[None, :], 0.0)
+            acc += tl.dot(sel, qt.to(tl.float32), input_precision="ieee")
+        else:
+            if UPCAST:
+                qt = qt.to(tl.float32)
+            # A 0/1 selector is exact in any dtype, so the MMA returns the chosen rows exactly.
+            acc += g * tl.dot(hit.to(qt.dtype), qt, input_precision=DOT_PRECISION)
+    return acc
+
+
 @triton.jit(
     do_not_specialize=[
-        "Nq", "K", "Lq", "Ld", "n_qseq", "n_qrows", "n_dseq", "n_drows", "sqs", "sds_b", "sds_k", "sg", "n_jb", "n_kb",
+        "Nq", "K", "P", "Lq", "Ld", "n_qseq", "n_qrows", "n_dseq", "n_drows", "sqs", "sds_b", "sds_k", "sg", "n_jb",
+        "n_kb",
     ]
 )  # fmt: skip
 def maxsim_bwd_dd_owned_kernel(
-    G, ARG, Q, INV_Q, GD, QSEG, DSEG, PQ, DOFF, DPERM,
-    Nq, K, Lq, Ld, dim,
+    G, ARG, Q, INV_Q, GD, QSEG, DSEG, PQ, PD, DOFF, DPERM,
+    Nq, K, P, Lq, Ld, dim,
     n_qseq, n_qrows, n_dseq, n_drows,
     sq_n, sq_l,
     sgd_b, sgd_k, sgd_l,
@@ -169,7 +229,7 @@ def maxsim_bwd_dd_owned_kernel(
     n_jb, n_kb,
     TQ: tl.constexpr, BN: tl.constexpr, BLOCK_K: tl.constexpr,
     Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr, SHARED_DOCS: tl.constexpr,
-    NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PAIR_SCAN: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     kb = pid % n_kb
@@ -177,17 +237,6 @@ def maxsim_bwd_dd_owned_kernel(
     doc = (pid // (n_kb * n_jb)).to(tl.int64)
     b = doc // K
     kk = doc % K
-    # Which pairs scored this document: every query (shared documents), its one query (per-query candidates), or
-    # the pairs listed for it (pair list, CSR by document).
-    if PAIR_LIST:
-        e_lo = tl.load(DOFF + kk).to(tl.int64)
-        e_hi = tl.load(DOFF + kk + 1).to(tl.int64)
-    elif SHARED_DOCS:
-        e_lo = b * 0
-        e_hi = b * 0 + Nq
-    else:
-        e_lo = b
-        e_hi = b + 1
     gd_base, _gd_tok0, d_len, _d_bad = doc_segment(
         GD, DSEG, b, kk, K, Ld, n_dseq, n_drows, sgd_b, sgd_k, sgd_l, sds_b, sds_k, D_KIND
     )
@@ -195,31 +244,41 @@ def maxsim_bwd_dd_owned_kernel(
     kd = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     kd_ok = kd < dim
     acc = tl.zeros([BN, BLOCK_K], dtype=tl.float32)
-    for e in range(e_lo, e_hi):
+    # Which pairs scored this document, in a fixed order: every query (shared documents), its one query (per-query
+    # candidates), or the pairs listed for it (pair list: found by a scan of all P pair ids when the list is
+    # short, else through the CSR index by document).
+    if PAIR_SCAN:
+        for c0 in range(0, P, SCAN):
+            cols = c0 + tl.arange(0, SCAN)
+            mine = tl.load(PD + cols, mask=cols < P, other=-1) == kk
+            rank = tl.cumsum(mine.to(tl.int32), 0)
+            for h in range(0, tl.sum(mine.to(tl.int32), 0)):
+                p = tl.sum(tl.where(mine & (rank == h + 1), cols, 0), 0).to(tl.int64)
+                acc = _dd_add(
+                    acc, p, tl.load(PQ + p).to(tl.int64), j, kd, kd_ok, G, ARG, Q, INV_Q, QSEG,
+                    Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, sg, TQ, Q_KIND, NORMALIZE, DOT_PRECISION, UPCAST,
+                )  # fmt: skip
+    else:
         if PAIR_LIST:
-            p = tl.load(DPERM + e).to(tl.int64)
-            q = tl.load(PQ + p).to(tl.int64)
+            e_lo = tl.load(DOFF + kk).to(tl.int64)
+            e_hi = tl.load(DOFF + kk + 1).to(tl.int64)
+        elif SHARED_DOCS:
+            e_lo = b * 0
+            e_hi = b * 0 + Nq
         else:
-            q = e
-            p = e * K + kk
-        q_base, q_tok0, q_len, _q_bad = query_segment(Q, QSEG, q, q >= 0, Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, Q_KIND)
-        g = tl.load(G + p * sg)
-        for t0 in range(0, q_len, TQ):
-            t = t0 + tl.arange(0, TQ)
-            t_ok = t < q_len
-            a = tl.load(ARG + p * Lq + t, mask=t_ok, other=-1)
-            hit = a[None, :] == j[:, None]  # [BN, TQ]; a == -1 never matches
-            # Unchosen tokens are not loaded: a masked query token may hold NaN, and 0 * NaN is NaN in the MMA.
-            qt = tl.load(q_base + t[:, None] * sq_l + kd[None, :], mask=(a >= 0)[:, None] & kd_ok[None, :], other=0.0)
-            if NORMALIZE:
-                w = g * tl.load(INV_Q + q_tok0 + t, mask=t_ok, other=0.0)
-                sel = tl.where(hit, w[None, :], 0.0)
-                acc += tl.dot(sel, qt.to(tl.float32), input_precision="ieee")
+            e_lo = b
+            e_hi = b + 1
+        for e in range(e_lo, e_hi):
+            if PAIR_LIST:
+                p = tl.load(DPERM + e).to(tl.int64)
+                q = tl.load(PQ + p).to(tl.int64)
             else:
-                if UPCAST:
-                    qt = qt.to(tl.float32)
-                # A 0/1 selector is exact in any dtype, so the MMA returns the chosen rows exactly.
-                acc += g * tl.dot(hit.to(qt.dtype), qt, input_precision=DOT_PRECISION)
+                q = e
+                p = e * K + kk
+            acc = _dd_add(
+                acc, p, q, j, kd, kd_ok, G, ARG, Q, INV_Q, QSEG,
+                Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, sg, TQ, Q_KIND, NORMALIZE, DOT_PRECISION, UPCAST,
+            )  # fmt: skip
     j_store = j < d_len if D_KIND == OFFSETS else j < Ld  # padding rows get their (zero) gradient too
     out = gd_base + j[:, None] * sgd_l + kd[None, :]
     tl.store(out, acc.to(GD.dtype.element_ty), mask=j_store[:, None] & kd_ok[None, :])

@@ -27,6 +27,9 @@ _bwd_dd_owned = Launcher(maxsim_bwd_dd_owned_kernel)
 _csr = Launcher(csr_kernel.csr_count_kernel)
 
 DENSE, OFFSETS, LENGTHS = 0, 1, 2  # segment kinds, as in kernels/segments.py
+# A pair list's backward scans the pair ids in each program (no index built) while programs x pairs stays under
+# this: ~128 MiB of L2-resident id reads at most, a few tens of µs of GPU time where the step is host-bound anyway.
+PAIR_SCAN_MAX_WORK = 1 << 25
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -286,7 +289,9 @@ def backward(
             cfg.num_warps,
         )  # fmt: skip
 
-    if sg.pairs and not deterministic:
+    # A short pair list is scanned by each program instead of indexed (see backward.py): fewer launches.
+    scan_q = sg.pairs and n_queries * n_tb * n_pairs <= PAIR_SCAN_MAX_WORK
+    if sg.pairs and not deterministic and not scan_q:
         # A pair list's queries recur in any order: atomics into an fp32 buffer, one program per (pair, token
         # block). Walking each query's pairs instead is a chain of dependent index loads per step (latency-bound).
         dQ = torch.zeros(Q.shape, dtype=torch.float32, device=Q.device)
@@ -297,18 +302,21 @@ def backward(
         # more programs would need a partial-sum buffer of another dtype, i.e. a second variant compiled at a
         # data-dependent moment, which the launch table rules out.
         dQ = torch.empty(Q.shape, dtype=torch.float32 if normalize else Q.dtype, device=Q.device)
-        if sg.pairs:
+        if sg.pairs and not scan_q:
             q_off, q_order = csr(rg.pair_q, n_queries)
         else:
             q_off = q_order = grad  # unused pointers
         _bwd_dq(
             n_queries * n_tb,
-            (grad, argmax, D, inv_d, dQ, sg.qseg, sg.dseg, sg.pd, q_off, q_order),
+            (grad, argmax, D, inv_d, dQ, sg.qseg, sg.dseg, sg.pq, sg.pd, q_off, q_order),
             (
                 n_queries, K, Lq, Ld, dim, *seg_args,
                 *_d_strides(D, shared), *_q_strides(dQ), *seg_strides, n_tb,
             ),
-            dict(BT=cfg.BT, DIM_P=cfg.DIM_P, **kinds, PAIR_LIST=sg.pairs, SHARED_DOCS=shared, NORMALIZE=normalize),
+            dict(
+                BT=cfg.BT, DIM_P=cfg.DIM_P, **kinds, PAIR_LIST=sg.pairs, SHARED_DOCS=shared, NORMALIZE=normalize,
+                PAIR_SCAN=scan_q,
+            ),
             cfg.num_warps,
         )  # fmt: skip
 
@@ -320,20 +328,22 @@ def backward(
         n_jb = triton_cdiv(Ld, cfg.BN)
         n_kb = triton_cdiv(dim, cfg.BLOCK_K)
         n_owned = n_docs if sg.d_kind == OFFSETS else Bd * K
-        if sg.pairs:
+        scan_d = sg.pairs and n_owned * n_jb * n_kb * n_pairs <= PAIR_SCAN_MAX_WORK
+        if sg.pairs and not scan_d:
             d_off, d_order = csr(rg.pair_d, n_docs)
         else:
             d_off = d_order = grad  # unused pointers
         _bwd_dd_owned(
             n_owned * n_jb * n_kb,
-            (grad, argmax, Q, inv_q, gd, sg.qseg, sg.dseg, sg.pq, d_off, d_order),
+            (grad, argmax, Q, inv_q, gd, sg.qseg, sg.dseg, sg.pq, sg.pd, d_off, d_order),
             (
-                Nq, n_docs if sg.pairs else K, Lq, Ld, dim, *seg_args,
+                Nq, n_docs if sg.pairs else K, n_pairs, Lq, Ld, dim, *seg_args,
                 *_q_strides(Q), *_d_strides(gd, False), *seg_strides, n_jb, n_kb,
             ),
             dict(
                 TQ=cfg.TQ, BN=cfg.BN, BLOCK_K=cfg.BLOCK_K, **kinds, PAIR_LIST=sg.pairs, SHARED_DOCS=shared,
                 NORMALIZE=normalize, DOT_PRECISION=_dot_precision(Q.dtype), UPCAST=_upcast(Q.dtype),
+                PAIR_SCAN=scan_d,
             ),
             cfg.num_warps,
         )  # fmt: skip
