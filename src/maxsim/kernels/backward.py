@@ -98,13 +98,15 @@ def maxsim_bwd_dq_kernel(
         for c0 in range(0, K, SCAN):
             cols = c0 + tl.arange(0, SCAN)
             mine = tl.load(PQ + cols, mask=cols < K, other=-1) == q
-            rank = tl.cumsum(mine.to(tl.int32), 0)
-            for h in range(0, tl.sum(mine.to(tl.int32), 0)):
-                p = tl.sum(tl.where(mine & (rank == h + 1), cols, 0), 0).to(tl.int64)
-                acc = _dq_add(
-                    acc, p, tl.load(PD + p).to(tl.int64), b, t, t_ok, kd, kd_ok, G, ARG, D, INV_D, DSEG,
-                    K, Lq, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, sg, BT, D_KIND, NORMALIZE,
-                )  # fmt: skip
+            n_mine = tl.sum(mine.to(tl.int32), 0)
+            if n_mine > 0:  # most chunks hold none of this query's pairs: skip the scan and the extraction
+                rank = tl.cumsum(mine.to(tl.int32), 0)
+                for h in range(0, n_mine):
+                    p = tl.sum(tl.where(mine & (rank == h + 1), cols, 0), 0).to(tl.int64)
+                    acc = _dq_add(
+                        acc, p, tl.load(PD + p).to(tl.int64), b, t, t_ok, kd, kd_ok, G, ARG, D, INV_D, DSEG,
+                        K, Lq, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, sg, BT, D_KIND, NORMALIZE,
+                    )  # fmt: skip
     else:
         if PAIR_LIST:
             e_lo = tl.load(QOFF + q).to(tl.int64)
@@ -251,13 +253,15 @@ def maxsim_bwd_dd_owned_kernel(
         for c0 in range(0, P, SCAN):
             cols = c0 + tl.arange(0, SCAN)
             mine = tl.load(PD + cols, mask=cols < P, other=-1) == kk
-            rank = tl.cumsum(mine.to(tl.int32), 0)
-            for h in range(0, tl.sum(mine.to(tl.int32), 0)):
-                p = tl.sum(tl.where(mine & (rank == h + 1), cols, 0), 0).to(tl.int64)
-                acc = _dd_add(
-                    acc, p, tl.load(PQ + p).to(tl.int64), j, kd, kd_ok, G, ARG, Q, INV_Q, QSEG,
-                    Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, sg, TQ, Q_KIND, NORMALIZE, DOT_PRECISION, UPCAST,
-                )  # fmt: skip
+            n_mine = tl.sum(mine.to(tl.int32), 0)
+            if n_mine > 0:
+                rank = tl.cumsum(mine.to(tl.int32), 0)
+                for h in range(0, n_mine):
+                    p = tl.sum(tl.where(mine & (rank == h + 1), cols, 0), 0).to(tl.int64)
+                    acc = _dd_add(
+                        acc, p, tl.load(PQ + p).to(tl.int64), j, kd, kd_ok, G, ARG, Q, INV_Q, QSEG,
+                        Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, sg, TQ, Q_KIND, NORMALIZE, DOT_PRECISION, UPCAST,
+                    )  # fmt: skip
     else:
         if PAIR_LIST:
             e_lo = tl.load(DOFF + kk).to(tl.int64)
