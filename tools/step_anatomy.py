@@ -1,8 +1,9 @@
 """Anatomy of a training step on the GPU: host time and GPU time of each piece, dense vs pair list.
 
-Usage: python tools/step_anatomy.py [--out FILE]. For every piece, ``host`` is perf_counter per call without
+Usage: python tools/step_anatomy.py [--out FILE] [--kernels]. For every piece, ``host`` is perf_counter per call without
 synchronizing (what the Python side costs) and ``gpu`` is triton's do_bench (what a stream of such calls costs end to
-end: whichever of host and device is slower). A step is host-bound where host ≈ gpu.
+end: whichever of host and device is slower). A step is host-bound where host ≈ gpu. ``--kernels`` also prints the
+GPU time per kernel of the large training steps (design.md §7), the GPU-bound ones.
 """
 
 from __future__ import annotations
@@ -52,10 +53,39 @@ def pieces(label: str, fwd, Q: torch.Tensor, D: torch.Tensor, rg: Ragged | None)
     return out
 
 
+def kernel_table(label: str, step) -> None:
+    """GPU time per kernel over 10 steps (torch.profiler)."""
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            step()
+        torch.cuda.synchronize()
+    print(f"GPU time of 10 training steps, {label}:")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=50))
+
+
+def large_steps() -> None:
+    dt = torch.bfloat16
+    for label, (nq, nd, lq, ld) in {
+        "cross 256x256 Lq32 Ld300": (256, 256, 32, 300),
+        "cross 64x64 Lq32 Ld1024": (64, 64, 32, 1024),
+        "cross 32x32 Lq1024 Ld1024": (32, 32, 1024, 1024),
+    }.items():
+        Q = torch.randn(nq, lq, 128, device="cuda", dtype=dt, requires_grad=True)
+        D = torch.randn(nd, ld, 128, device="cuda", dtype=dt, requires_grad=True)
+        w = torch.randn(nq, nd, device="cuda")
+        kernel_table(label, lambda Q=Q, D=D, w=w: torch.autograd.grad((maxsim.maxsim(Q, D) * w).sum(), (Q, D)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--kernels", action="store_true")
     args = ap.parse_args()
+    if args.kernels:
+        large_steps()
     dt = torch.bfloat16
     res = {}
     B, K, Lq, Ld, dim = 64, 32, 32, 180, 128

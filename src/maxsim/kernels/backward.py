@@ -94,32 +94,34 @@ def maxsim_bwd_dq_kernel(
     kd_ok = kd < dim
     acc = tl.zeros([BT, DIM_P], dtype=tl.float32)
     b = q * 0 if SHARED_DOCS else q
-    if PAIR_SCAN:  # a short pair list: find this query's pairs by scanning all P = K of them, in pair order
-        for c0 in range(0, K, SCAN):
-            cols = c0 + tl.arange(0, SCAN)
-            mine = tl.load(PQ + cols, mask=cols < K, other=-1) == q
-            n_mine = tl.sum(mine.to(tl.int32), 0)
-            if n_mine > 0:  # most chunks hold none of this query's pairs: skip the scan and the extraction
-                rank = tl.cumsum(mine.to(tl.int32), 0)
-                for h in range(0, n_mine):
-                    p = tl.sum(tl.where(mine & (rank == h + 1), cols, 0), 0).to(tl.int64)
-                    acc = _dq_add(
-                        acc, p, tl.load(PD + p).to(tl.int64), b, t, t_ok, kd, kd_ok, G, ARG, D, INV_D, DSEG,
-                        K, Lq, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, sg, BT, D_KIND, NORMALIZE,
-                    )  # fmt: skip
-    else:
-        if PAIR_LIST:
-            e_lo = tl.load(QOFF + q).to(tl.int64)
-            e_hi = tl.load(QOFF + q + 1).to(tl.int64)
+    # A block of query tokens past the query's end has nothing to gather (its rows, if stored, are zeros).
+    if (pid % n_tb) * BT < q_len:
+        if PAIR_SCAN:  # a short pair list: find this query's pairs by scanning all P = K of them, in pair order
+            for c0 in range(0, K, SCAN):
+                cols = c0 + tl.arange(0, SCAN)
+                mine = tl.load(PQ + cols, mask=cols < K, other=-1) == q
+                n_mine = tl.sum(mine.to(tl.int32), 0)
+                if n_mine > 0:  # most chunks hold none of this query's pairs: skip the scan and the extraction
+                    rank = tl.cumsum(mine.to(tl.int32), 0)
+                    for h in range(0, n_mine):
+                        p = tl.sum(tl.where(mine & (rank == h + 1), cols, 0), 0).to(tl.int64)
+                        acc = _dq_add(
+                            acc, p, tl.load(PD + p).to(tl.int64), b, t, t_ok, kd, kd_ok, G, ARG, D, INV_D, DSEG,
+                            K, Lq, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, sg, BT, D_KIND, NORMALIZE,
+                        )  # fmt: skip
         else:
-            e_lo = q * 0
-            e_hi = q * 0 + K
-        for e in range(e_lo, e_hi):
-            p, doc = _pair(q, e, K, QPERM, PD, PAIR_LIST)
-            acc = _dq_add(
-                acc, p, doc, b, t, t_ok, kd, kd_ok, G, ARG, D, INV_D, DSEG,
-                K, Lq, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, sg, BT, D_KIND, NORMALIZE,
-            )  # fmt: skip
+            if PAIR_LIST:
+                e_lo = tl.load(QOFF + q).to(tl.int64)
+                e_hi = tl.load(QOFF + q + 1).to(tl.int64)
+            else:
+                e_lo = q * 0
+                e_hi = q * 0 + K
+            for e in range(e_lo, e_hi):
+                p, doc = _pair(q, e, K, QPERM, PD, PAIR_LIST)
+                acc = _dq_add(
+                    acc, p, doc, b, t, t_ok, kd, kd_ok, G, ARG, D, INV_D, DSEG,
+                    K, Lq, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, sg, BT, D_KIND, NORMALIZE,
+                )  # fmt: skip
     # Padded rows (past a query's length, inside its padding) are written too: their gradient is zero.
     t_store = t_ok if Q_KIND == OFFSETS else t < Lq
     out = dq_base + t[:, None] * sdq_l + kd[None, :]
@@ -246,43 +248,45 @@ def maxsim_bwd_dd_owned_kernel(
     kd = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     kd_ok = kd < dim
     acc = tl.zeros([BN, BLOCK_K], dtype=tl.float32)
-    # Which pairs scored this document, in a fixed order: every query (shared documents), its one query (per-query
-    # candidates), or the pairs listed for it (pair list: found by a scan of all P pair ids when the list is
-    # short, else through the CSR index by document).
-    if PAIR_SCAN:
-        for c0 in range(0, P, SCAN):
-            cols = c0 + tl.arange(0, SCAN)
-            mine = tl.load(PD + cols, mask=cols < P, other=-1) == kk
-            n_mine = tl.sum(mine.to(tl.int32), 0)
-            if n_mine > 0:
-                rank = tl.cumsum(mine.to(tl.int32), 0)
-                for h in range(0, n_mine):
-                    p = tl.sum(tl.where(mine & (rank == h + 1), cols, 0), 0).to(tl.int64)
-                    acc = _dd_add(
-                        acc, p, tl.load(PQ + p).to(tl.int64), j, kd, kd_ok, G, ARG, Q, INV_Q, QSEG,
-                        Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, sg, TQ, Q_KIND, NORMALIZE, DOT_PRECISION, UPCAST,
-                    )  # fmt: skip
-    else:
-        if PAIR_LIST:
-            e_lo = tl.load(DOFF + kk).to(tl.int64)
-            e_hi = tl.load(DOFF + kk + 1).to(tl.int64)
-        elif SHARED_DOCS:
-            e_lo = b * 0
-            e_hi = b * 0 + Nq
+    # A block of document tokens past the document's end was chosen by no query token: skip the pair walk.
+    if jb * BN < d_len:
+        # Which pairs scored this document, in a fixed order: every query (shared documents), its one query (per-query
+        # candidates), or the pairs listed for it (pair list: found by a scan of all P pair ids when the list is
+        # short, else through the CSR index by document).
+        if PAIR_SCAN:
+            for c0 in range(0, P, SCAN):
+                cols = c0 + tl.arange(0, SCAN)
+                mine = tl.load(PD + cols, mask=cols < P, other=-1) == kk
+                n_mine = tl.sum(mine.to(tl.int32), 0)
+                if n_mine > 0:
+                    rank = tl.cumsum(mine.to(tl.int32), 0)
+                    for h in range(0, n_mine):
+                        p = tl.sum(tl.where(mine & (rank == h + 1), cols, 0), 0).to(tl.int64)
+                        acc = _dd_add(
+                            acc, p, tl.load(PQ + p).to(tl.int64), j, kd, kd_ok, G, ARG, Q, INV_Q, QSEG,
+                            Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, sg, TQ, Q_KIND, NORMALIZE, DOT_PRECISION, UPCAST,
+                        )  # fmt: skip
         else:
-            e_lo = b
-            e_hi = b + 1
-        for e in range(e_lo, e_hi):
             if PAIR_LIST:
-                p = tl.load(DPERM + e).to(tl.int64)
-                q = tl.load(PQ + p).to(tl.int64)
+                e_lo = tl.load(DOFF + kk).to(tl.int64)
+                e_hi = tl.load(DOFF + kk + 1).to(tl.int64)
+            elif SHARED_DOCS:
+                e_lo = b * 0
+                e_hi = b * 0 + Nq
             else:
-                q = e
-                p = e * K + kk
-            acc = _dd_add(
-                acc, p, q, j, kd, kd_ok, G, ARG, Q, INV_Q, QSEG,
-                Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, sg, TQ, Q_KIND, NORMALIZE, DOT_PRECISION, UPCAST,
-            )  # fmt: skip
+                e_lo = b
+                e_hi = b + 1
+            for e in range(e_lo, e_hi):
+                if PAIR_LIST:
+                    p = tl.load(DPERM + e).to(tl.int64)
+                    q = tl.load(PQ + p).to(tl.int64)
+                else:
+                    q = e
+                    p = e * K + kk
+                acc = _dd_add(
+                    acc, p, q, j, kd, kd_ok, G, ARG, Q, INV_Q, QSEG,
+                    Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, sg, TQ, Q_KIND, NORMALIZE, DOT_PRECISION, UPCAST,
+                )  # fmt: skip
     j_store = j < d_len if D_KIND == OFFSETS else j < Ld  # padding rows get their (zero) gradient too
     out = gd_base + j[:, None] * sgd_l + kd[None, :]
     tl.store(out, acc.to(GD.dtype.element_ty), mask=j_store[:, None] & kd_ok[None, :])
