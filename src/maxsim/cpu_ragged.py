@@ -139,6 +139,8 @@ def backward(
     grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, normalize: bool, deterministic: bool, rg: Ragged
 ) -> tuple[Tensor, Tensor]:
     """As :func:`maxsim.cpu.backward` for a ragged description; gradients in Q's and D's own (packed) layout."""
+    if Q.device.type == "cpu" and Q.dim() == 2 and D.dim() == 2 and rg.q_seg is not None and rg.d_seg is not None:
+        return _packed_backward(grad, Q, D, argmax, normalize, rg)
     dn = _Dense(Q, D, rg)
     acc = torch.float64 if Q.dtype == torch.float64 else torch.float32
     # In the accumulation dtype throughout, rounded once at the end (as the kernels do).
@@ -172,3 +174,47 @@ def _sum_into(out: Tensor, ids: Tensor, values: Tensor, deterministic: bool) -> 
         # index_put_ (not index_add_): sequential on CPU, sort-based on CUDA; index_add_ was measured at 50+ ms for
         # tiny inputs on a loaded 2-core CPU.
         out.index_put_((ids,), values, accumulate=True)
+
+
+def _packed_backward(
+    grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, normalize: bool, rg: Ragged
+) -> tuple[Tensor, Tensor]:
+    """Packed ``Q [rows_q, dim]`` and ``D [rows_d, dim]`` on the CPU: every chosen (query token, document token)
+    link of the argmax adds ``g · D[row_d]`` to ``dQ[row_q]`` and ``g · Q[row_q]`` to ``dD[row_d]``, straight on the
+    packed rows (no padded copies). ``index_add_`` runs in index order on the CPU, so the sums are deterministic.
+    Pairs with out-of-range ids (NaN scores) contribute nothing."""
+    acc = torch.float64 if Q.dtype == torch.float64 else torch.float32
+    Qa, Da = Q.to(acc), D.to(acc)
+    if normalize:
+        (Qa, norm_q), (Da, norm_d) = cpu._normalized(Qa), cpu._normalized(Da)
+    dQ, dD = torch.zeros_like(Qa), torch.zeros_like(Da)
+    rows_q, rows_d, Lq = Q.shape[0], D.shape[0], argmax.shape[-1]
+    if rows_q and rows_d and argmax.numel():
+        # Segment starts clamped as in the forward's gathers (_segment_rows), so the rows are the ones it scored.
+        start_q = rg.q_seg[:-1].long().clamp(0, rows_q)
+        start_d = rg.d_seg[:-1].long().clamp(0, rows_d)
+        links = argmax.reshape(-1, Lq)  # [G, Lq]: one row per scored (query, document) pair
+        g = grad.to(acc).reshape(-1)
+        if rg.pair_q is not None:
+            qi, di, bad = _pair_ids(rg, start_q.shape[0], start_d.shape[0])
+        else:
+            qi = torch.arange(start_q.shape[0]).repeat_interleave(start_d.shape[0])
+            di = torch.arange(start_d.shape[0]).repeat(start_q.shape[0])
+            bad = None
+        t = torch.arange(Lq)
+        step = max(1, cpu.BLOCK_BYTES // max(1, Lq * Q.shape[1] * Qa.element_size() * 4))
+        for g0 in range(0, links.shape[0], step):
+            g1 = min(links.shape[0], g0 + step)
+            a = links[g0:g1]
+            chosen = a >= 0
+            if bad is not None:
+                chosen &= ~bad[g0:g1, None]
+            rq = (start_q[qi[g0:g1], None] + t).clamp(max=rows_q - 1)[chosen]
+            rd = (start_d[di[g0:g1], None] + a).clamp(0, rows_d - 1)[chosen]
+            w = g[g0:g1, None].expand(a.shape)[chosen][:, None]
+            dQ.index_add_(0, rq, torch.index_select(Da, 0, rd) * w)
+            dD.index_add_(0, rd, torch.index_select(Qa, 0, rq) * w)
+    if normalize:
+        dQ = cpu.project_normalized_grad(dQ, Qa, norm_q)
+        dD = cpu.project_normalized_grad(dD, Da, norm_d)
+    return dQ.to(Q.dtype), dD.to(D.dtype)
