@@ -126,9 +126,12 @@ def backward(
 ) -> tuple[Tensor, Tensor]:
     """Gradients ``(dQ like Q, dD like D)`` from the saved argmax; masks are already folded into it (-1).
 
-    On CPU ``index_add_`` is sequential, hence deterministic. On other devices it uses atomics, so
-    ``deterministic=True`` there selects the tokens with a one-hot product instead (fixed summation order).
+    On the CPU: :func:`add_links` over the chosen links (``index_add_`` runs in index order there: deterministic).
+    On other devices ``index_add_`` uses atomics, so ``deterministic=True`` there selects the tokens with a one-hot
+    product instead (fixed summation order).
     """
+    if Q.device.type == "cpu":
+        return _backward_links(grad, Q, D, argmax, normalize)
     Nq, Lq, dim = Q.shape
     Bd, K, Ld, _ = D.shape
     acc = accum_dtype(Q.dtype)
@@ -168,6 +171,45 @@ def backward(
                 dD[q0:q1] = per_query
         else:
             dD_flat.index_add_(0, rows.reshape(-1), contrib.reshape(-1, dim))
+    if normalize:
+        dQ = project_normalized_grad(dQ, Qa, norm_q)
+        dD = project_normalized_grad(dD, Da, norm_d)
+    return dQ.to(Q.dtype), dD.to(D.dtype)
+
+
+def add_links(dQ: Tensor, dD: Tensor, Q: Tensor, D: Tensor, rows_q: Tensor, rows_d: Tensor, w: Tensor) -> None:
+    """For every link ``i`` (query row ``rows_q[i]`` chose document row ``rows_d[i]``, upstream weight ``w[i]``):
+    ``dQ[rows_q[i]] += w[i] · D[rows_d[i]]`` and ``dD[rows_d[i]] += w[i] · Q[rows_q[i]]``, on flat ``[rows, dim]``
+    tensors. Only chosen rows are read, so a masked token holding NaN or inf never reaches a gradient."""
+    dQ.index_add_(0, rows_q, torch.index_select(D, 0, rows_d) * w[:, None])
+    dD.index_add_(0, rows_d, torch.index_select(Q, 0, rows_q) * w[:, None])
+
+
+def _backward_links(grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, normalize: bool) -> tuple[Tensor, Tensor]:
+    """CPU backward: the argmax as a list of links between flat token rows, a block of queries at a time (the
+    gathered rows of a block stay within :data:`BLOCK_BYTES`)."""
+    Nq, Lq, dim = Q.shape
+    Bd, K, Ld, _ = D.shape
+    acc = accum_dtype(Q.dtype)
+    Qa, Da = Q.to(acc), D.to(acc)
+    if normalize:
+        (Qa, norm_q), (Da, norm_d) = _normalized(Qa), _normalized(Da)
+    Qf, Df = Qa.reshape(Nq * Lq, dim), Da.reshape(Bd * K * Ld, dim)
+    dQ, dD = torch.zeros_like(Qf), torch.zeros_like(Df)
+    if Nq and K and Lq and Ld:
+        nq = max(1, min(Nq, BLOCK_BYTES // max(1, K * Lq * dim * Qf.element_size() * 4)))
+        t, k = torch.arange(Lq), torch.arange(K)
+        for q0 in range(0, Nq, nq):
+            q1 = min(Nq, q0 + nq)
+            a = argmax[q0:q1]  # [q, K, Lq]
+            chosen = a >= 0
+            q = torch.arange(q0, q1)[:, None, None]
+            doc = (q if Bd != 1 else 0) * K + k[None, :, None]  # [q, K, 1]: row of document (b, k) in [Bd * K]
+            rows_q = (q * Lq + t).expand(a.shape)[chosen]
+            rows_d = (doc * Ld + a)[chosen]
+            w = grad[q0:q1].to(acc)[:, :, None].expand(a.shape)[chosen]
+            add_links(dQ, dD, Qf, Df, rows_q, rows_d, w)
+    dQ, dD = dQ.view(Nq, Lq, dim), dD.view(Bd, K, Ld, dim)
     if normalize:
         dQ = project_normalized_grad(dQ, Qa, norm_q)
         dD = project_normalized_grad(dD, Da, norm_d)

@@ -179,10 +179,9 @@ def _sum_into(out: Tensor, ids: Tensor, values: Tensor, deterministic: bool) -> 
 def _packed_backward(
     grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, normalize: bool, rg: Ragged
 ) -> tuple[Tensor, Tensor]:
-    """Packed ``Q [rows_q, dim]`` and ``D [rows_d, dim]`` on the CPU: every chosen (query token, document token)
-    link of the argmax adds ``g · D[row_d]`` to ``dQ[row_q]`` and ``g · Q[row_q]`` to ``dD[row_d]``, straight on the
-    packed rows (no padded copies). ``index_add_`` runs in index order on the CPU, so the sums are deterministic.
-    Pairs with out-of-range ids (NaN scores) contribute nothing."""
+    """Packed ``Q [rows_q, dim]`` and ``D [rows_d, dim]`` on the CPU: the argmax's links added straight into the
+    packed gradients (:func:`maxsim.cpu.add_links`; no padded copies, deterministic on the CPU). Pairs with
+    out-of-range ids (NaN scores) contribute nothing."""
     acc = torch.float64 if Q.dtype == torch.float64 else torch.float32
     Qa, Da = Q.to(acc), D.to(acc)
     if normalize:
@@ -211,9 +210,7 @@ def _packed_backward(
                 chosen &= ~bad[g0:g1, None]
             rq = (start_q[qi[g0:g1], None] + t).clamp(max=rows_q - 1)[chosen]
             rd = (start_d[di[g0:g1], None] + a).clamp(0, rows_d - 1)[chosen]
-            w = g[g0:g1, None].expand(a.shape)[chosen][:, None]
-            dQ.index_add_(0, rq, torch.index_select(Da, 0, rd) * w)
-            dD.index_add_(0, rd, torch.index_select(Qa, 0, rq) * w)
+            cpu.add_links(dQ, dD, Qa, Da, rq, rd, g[g0:g1, None].expand(a.shape)[chosen])
     if normalize:
         dQ = cpu.project_normalized_grad(dQ, Qa, norm_q)
         dD = cpu.project_normalized_grad(dD, Da, norm_d)
