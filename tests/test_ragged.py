@@ -40,6 +40,7 @@ from helpers import (
     score_magnitude,
     seed_of,
     similarities,
+    triton_usable,
     unambiguous_tokens,
     upstream_grad,
     word,
@@ -470,6 +471,33 @@ def test_deterministic_backward_is_bitwise_reproducible(fn, backend, device):
         runs.append((s.detach(), Q.grad, D.grad))
     for name, x, y in zip(("scores", "dQ", "dD"), runs[0], runs[1], strict=True):
         assert torch.equal(x, y), f"{name} differs between two deterministic runs (max |diff| {(x - y).abs().max()})"
+
+
+@pytest.mark.parametrize("backward", ["fast", "deterministic"])
+def test_pair_scan_and_index_agree_bitwise(backward, device, monkeypatch):
+    """The Triton pair-list backward walks each query's / document's pairs in pair order whether it finds them by
+    scanning the ids or through the CSR index: dD (and dQ where both gather) are bitwise equal."""
+    if not triton_usable(device):
+        pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
+    from maxsim.kernels import launch
+
+    pairs = tuple((i % 3, (5 * i) % 4) for i in range(6))  # every query twice, documents 0 and 1 twice
+    case = Ragged((9, 3, 17), (20, 1, 8, 33), pairs=pairs, dim=16, backward=backward, return_argmax=False)
+    b = build(case, device)
+    grads = []
+    with maxsim.backend("triton"):
+        for limit in (launch.PAIR_SCAN_MAX_WORK, 0):
+            monkeypatch.setattr(launch, "PAIR_SCAN_MAX_WORK", limit)
+            Q = b.Q.detach().clone().requires_grad_()
+            D = b.D.detach().clone().requires_grad_()
+            s = lib_call(case, b, Q, D)
+            s.backward(upstream_grad(s.shape, seed=3, device=s.device))
+            grads.append((Q.grad, D.grad))
+    assert torch.equal(grads[0][1], grads[1][1]), "dD: scan and index differ"
+    if backward == "deterministic":  # (fast mode with the index adds dQ by atomics: another summation order)
+        assert torch.equal(grads[0][0], grads[1][0]), "dQ: scan and index differ"
+    else:
+        torch.testing.assert_close(grads[0][0], grads[1][0])
 
 
 @pytest.mark.parametrize("fn", ["varlen", "pairs"])
