@@ -429,6 +429,17 @@ def test_varlen_cases(case, keep, backend, device):
     check_ragged(case, device)
 
 
+@pytest.mark.parametrize("case,keep", VARLEN_CASES, ids=_case_ids(VARLEN_CASES))
+def test_varlen_cases_by_length_class(case, keep, monkeypatch):
+    """The CPU path's varlen cross product with documents grouped by length class (large padded problems; forced
+    here) matches the reference like the single padded call."""
+    from maxsim import cpu_ragged
+
+    monkeypatch.setattr(cpu_ragged, "BY_LENGTH_MIN_WORK", 0)
+    with maxsim.backend("torch"):
+        check_ragged(case, "cpu")
+
+
 @pytest.mark.parametrize("index", ["scan", "csr"])
 @pytest.mark.parametrize("case,keep", PAIR_CASES, ids=_case_ids(PAIR_CASES))
 def test_pairs_varlen_cases(case, keep, index, backend, device, monkeypatch):

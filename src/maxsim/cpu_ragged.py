@@ -88,6 +88,8 @@ def forward(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: Ragged
     """As :func:`maxsim.cpu.forward` for a ragged description: scores ``[Nq, K]`` (a pair list: ``[1, P]``)."""
     if rg.pair_q is not None:
         return _forward_pairs(Q, D, normalize, need_argmax, rg)
+    if _by_length_worthwhile(Q, D, rg):
+        return _forward_by_length(Q, D, normalize, need_argmax, rg)
     dn = _Dense(Q, D, rg)
     scores, argmax = cpu.forward(dn.Q, dn.D, dn.q_mask, dn.d_mask, normalize, need_argmax)
     bad = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
@@ -119,6 +121,42 @@ def _forward_pairs(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg:
         if need_argmax:
             argmax[0, p0:p1] = a[:, 0]
     return scores.masked_fill(bad[None, :], float("nan")), argmax
+
+
+BY_LENGTH_MIN_WORK = 1 << 24
+"""Padded similarities (``Nq·max_q·Nd·max_d``) from which a packed varlen cross product on the CPU pads each
+document only to the longest of its length class (:func:`_forward_by_length`) rather than to the batch maximum."""
+
+
+def _by_length_worthwhile(Q: Tensor, D: Tensor, rg: Ragged) -> bool:
+    if Q.device.type != "cpu" or Q.dim() != 2 or D.dim() != 2 or rg.q_seg is None or rg.d_seg is None:
+        return False  # (reading the lengths is free on the CPU only)
+    n_q, n_d = rg.q_seg.shape[0] - 1, rg.d_seg.shape[0] - 1
+    return n_q * rg.max_q * n_d * rg.max_d >= BY_LENGTH_MIN_WORK
+
+
+def _forward_by_length(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: Ragged) -> tuple[Tensor, Tensor]:
+    """Varlen cross product with documents grouped by length class (lengths in ``(2^(c-1), 2^c]``), each group
+    padded to its own longest document: with skewed lengths (20..1000 tokens) padding to the batch maximum does
+    several times the work. A document's score and argmax depend on its own tokens only, so the result is the one
+    of the single padded call."""
+    Qp, q_valid, _q_idx, q_bad = _packed(Q, rg.q_seg, rg.max_q)
+    d_idx, d_valid, d_bad = _segment_rows(rg.d_seg, D.shape[0], rg.max_d)
+    n_q, n_d = Qp.shape[0], d_idx.shape[0]
+    lengths = d_valid.sum(dim=1)
+    length_class = torch.ceil(torch.log2(lengths.clamp(min=1).double())).long()
+    scores = torch.empty((n_q, n_d), dtype=torch.float64 if Q.dtype == torch.float64 else torch.float32)
+    argmax = torch.empty((n_q, n_d, rg.max_q) if need_argmax else (0,), dtype=torch.int32)
+    for c in torch.unique(length_class).tolist():
+        ids = (length_class == c).nonzero().squeeze(1)
+        width = max(1, int(lengths[ids].max()))
+        rows, valid = d_idx[ids, :width], d_valid[ids, :width]
+        s, a = cpu.forward(Qp, _gather(D, rows)[None], q_valid, valid[None], normalize, need_argmax)
+        scores[:, ids] = s
+        if need_argmax:
+            argmax[:, ids] = a
+    bad = q_bad[:, None] | d_bad[None, :]
+    return scores.masked_fill(bad, float("nan")), argmax
 
 
 def _to_packed(g_pad: Tensor, seg: Tensor, rows: int) -> Tensor:
