@@ -429,10 +429,10 @@ def test_varlen_cases(case, keep, backend, device):
     check_ragged(case, device)
 
 
-@pytest.mark.parametrize("case,keep", VARLEN_CASES, ids=_case_ids(VARLEN_CASES))
-def test_varlen_cases_by_length_class(case, keep, monkeypatch):
-    """The CPU path's varlen cross product with documents grouped by length class (large padded problems; forced
-    here) matches the reference like the single padded call."""
+@pytest.mark.parametrize("case,keep", VARLEN_CASES + PAIR_CASES, ids=_case_ids(VARLEN_CASES + PAIR_CASES))
+def test_cases_by_length_class(case, keep, monkeypatch):
+    """The CPU path with documents grouped by length class (large padded problems; forced here) matches the
+    reference like the single padded call, for the varlen cross product and for pair lists."""
     from maxsim import cpu_ragged
 
     monkeypatch.setattr(cpu_ragged, "BY_LENGTH_MIN_WORK", 0)

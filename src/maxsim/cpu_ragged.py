@@ -102,7 +102,8 @@ def forward(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: Ragged
 
 def _forward_pairs(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: Ragged) -> tuple[Tensor, Tensor]:
     """Pair lists, one block of pairs at a time, gathered straight from the packed rows (no padded copy of Q or
-    D as a whole)."""
+    D as a whole). Large problems on the CPU group the pairs by their document's length class first, each group
+    padded to its own longest document (see :func:`_forward_by_length`)."""
     q_idx, q_valid, q_bad = _segment_rows(rg.q_seg, Q.shape[0], rg.max_q)
     d_idx, d_valid, d_bad = _segment_rows(rg.d_seg, D.shape[0], rg.max_d)
     pq, pd, bad = _pair_ids(rg, q_idx.shape[0], d_idx.shape[0])
@@ -110,22 +111,38 @@ def _forward_pairs(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg:
     P, Lq, Ld, dim = pq.shape[0], rg.max_q, rg.max_d, Q.shape[-1]
     scores = torch.empty((1, P), dtype=torch.float64 if Q.dtype == torch.float64 else torch.float32, device=Q.device)
     argmax = torch.empty((1, P, Lq) if need_argmax else (0,), dtype=torch.int32, device=Q.device)
-    for p0, p1 in _pair_blocks(rg, (Lq + Ld) * dim * 8 + Lq * Ld * 8):
-        bq, bd = pq[p0:p1], pd[p0:p1]
-        q_rows, d_rows = q_idx.index_select(0, bq), d_idx.index_select(0, bd)
-        s, a = cpu.forward(
-            _gather(Q, q_rows), _gather(D, d_rows)[:, None], q_valid.index_select(0, bq),
-            d_valid.index_select(0, bd)[:, None], normalize, need_argmax,
-        )  # fmt: skip
-        scores[0, p0:p1] = s[:, 0]
-        if need_argmax:
-            argmax[0, p0:p1] = a[:, 0]
+    groups = [(torch.arange(P, device=Q.device), Ld)]
+    if Q.device.type == "cpu" and P * Lq * Ld >= BY_LENGTH_MIN_WORK:
+        groups = _length_classes(d_valid.sum(dim=1)[pd])
+    for ids, width in groups:
+        step = max(1, cpu.BLOCK_BYTES // ((Lq + width) * dim * 8 + Lq * width * 8))
+        for i0 in range(0, ids.shape[0], step):
+            sel = ids[i0 : i0 + step]
+            bq, bd = pq[sel], pd[sel]
+            s, a = cpu.forward(
+                _gather(Q, q_idx.index_select(0, bq)), _gather(D, d_idx[:, :width].index_select(0, bd))[:, None],
+                q_valid.index_select(0, bq), d_valid[:, :width].index_select(0, bd)[:, None], normalize, need_argmax,
+            )  # fmt: skip
+            scores[0, sel] = s[:, 0]
+            if need_argmax:
+                argmax[0, sel] = a[:, 0]
     return scores.masked_fill(bad[None, :], float("nan")), argmax
 
 
+def _length_classes(lengths: Tensor) -> list[tuple[Tensor, int]]:
+    """``(indices, longest)`` of each length class (lengths in ``(2^(c-1), 2^c]``; 0 and 1 share the first)."""
+    length_class = torch.ceil(torch.log2(lengths.clamp(min=1).double())).long()
+    groups = []
+    for c in torch.unique(length_class).tolist():
+        ids = (length_class == c).nonzero().squeeze(1)
+        groups.append((ids, max(1, int(lengths[ids].max()))))
+    return groups
+
+
 BY_LENGTH_MIN_WORK = 1 << 24
-"""Padded similarities (``Nq·max_q·Nd·max_d``) from which a packed varlen cross product on the CPU pads each
-document only to the longest of its length class (:func:`_forward_by_length`) rather than to the batch maximum."""
+"""Padded similarities (``Nq·max_q·Nd·max_d``, or ``P·max_q·max_d`` for a pair list) from which the CPU path pads
+each document only to the longest of its length class (:func:`_forward_by_length`) rather than to the batch
+maximum."""
 
 
 def _by_length_worthwhile(Q: Tensor, D: Tensor, rg: Ragged) -> bool:
@@ -143,13 +160,9 @@ def _forward_by_length(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool,
     Qp, q_valid, _q_idx, q_bad = _packed(Q, rg.q_seg, rg.max_q)
     d_idx, d_valid, d_bad = _segment_rows(rg.d_seg, D.shape[0], rg.max_d)
     n_q, n_d = Qp.shape[0], d_idx.shape[0]
-    lengths = d_valid.sum(dim=1)
-    length_class = torch.ceil(torch.log2(lengths.clamp(min=1).double())).long()
     scores = torch.empty((n_q, n_d), dtype=torch.float64 if Q.dtype == torch.float64 else torch.float32)
     argmax = torch.empty((n_q, n_d, rg.max_q) if need_argmax else (0,), dtype=torch.int32)
-    for c in torch.unique(length_class).tolist():
-        ids = (length_class == c).nonzero().squeeze(1)
-        width = max(1, int(lengths[ids].max()))
+    for ids, width in _length_classes(d_valid.sum(dim=1)):
         rows, valid = d_idx[ids, :width], d_valid[ids, :width]
         s, a = cpu.forward(Qp, _gather(D, rows)[None], q_valid, valid[None], normalize, need_argmax)
         scores[:, ids] = s
