@@ -115,7 +115,7 @@ def _forward_pairs(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg:
     if Q.device.type == "cpu" and P * Lq * Ld >= BY_LENGTH_MIN_WORK:
         groups = _length_classes(d_valid.sum(dim=1)[pd])
     for ids, width in groups:
-        step = max(1, cpu.BLOCK_BYTES // ((Lq + width) * dim * 8 + Lq * width * 8))
+        step = max(1, cpu.BLOCK_BYTES // max(1, (Lq + width) * dim * 8 + Lq * width * 8))
         for i0 in range(0, ids.shape[0], step):
             sel = ids[i0 : i0 + step]
             bq, bd = pq[sel], pd[sel]
