@@ -198,17 +198,17 @@ def _backward_links(grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, normaliz
     dQ, dD = torch.zeros_like(Qf), torch.zeros_like(Df)
     if Nq and K and Lq and Ld:
         nq = max(1, min(Nq, BLOCK_BYTES // max(1, K * Lq * dim * Qf.element_size() * 4)))
-        t, k = torch.arange(Lq), torch.arange(K)
         for q0 in range(0, Nq, nq):
             q1 = min(Nq, q0 + nq)
-            a = argmax[q0:q1]  # [q, K, Lq]
-            chosen = a >= 0
-            q = torch.arange(q0, q1)[:, None, None]
-            doc = (q if Bd != 1 else 0) * K + k[None, :, None]  # [q, K, 1]: row of document (b, k) in [Bd * K]
-            rows_q = (q * Lq + t).expand(a.shape)[chosen]
-            rows_d = (doc * Ld + a)[chosen]
-            w = grad[q0:q1].to(acc)[:, :, None].expand(a.shape)[chosen]
-            add_links(dQ, dD, Qf, Df, rows_q, rows_d, w)
+            a = argmax[q0:q1].reshape(-1)  # flat over [q, K, Lq]
+            # Positions of the chosen links, then their rows by integer arithmetic (cheaper than masking several
+            # [q, K, Lq] index tensors).
+            f = (a >= 0).nonzero().squeeze(1)
+            pair = f // Lq  # (query - q0) * K + k
+            q = pair // K + q0
+            doc = (q if Bd != 1 else 0) * K + pair % K  # row of document (b, k) in [Bd * K]
+            w = grad[q0:q1].to(acc).reshape(-1).index_select(0, pair)
+            add_links(dQ, dD, Qf, Df, q * Lq + f % Lq, doc * Ld + a.index_select(0, f), w)
     dQ, dD = dQ.view(Nq, Lq, dim), dD.view(Bd, K, Ld, dim)
     if normalize:
         dQ = project_normalized_grad(dQ, Qa, norm_q)

@@ -251,17 +251,17 @@ def _packed_backward(
             qi = torch.arange(start_q.shape[0]).repeat_interleave(start_d.shape[0])
             di = torch.arange(start_d.shape[0]).repeat(start_q.shape[0])
             bad = None
-        t = torch.arange(Lq)
         step = max(1, cpu.BLOCK_BYTES // max(1, Lq * Q.shape[1] * Qa.element_size() * 4))
         for g0 in range(0, links.shape[0], step):
-            g1 = min(links.shape[0], g0 + step)
-            a = links[g0:g1]
-            chosen = a >= 0
+            a = links[g0 : g0 + step].reshape(-1)
+            f = (a >= 0).nonzero().squeeze(1)  # chosen links, as in cpu._backward_links
+            pair = f // Lq + g0
             if bad is not None:
-                chosen &= ~bad[g0:g1, None]
-            rq = (start_q[qi[g0:g1], None] + t).clamp(max=rows_q - 1)[chosen]
-            rd = (start_d[di[g0:g1], None] + a).clamp(0, rows_d - 1)[chosen]
-            cpu.add_links(dQ, dD, Qa, Da, rq, rd, g[g0:g1, None].expand(a.shape)[chosen])
+                keep = ~bad.index_select(0, pair)
+                f, pair = f[keep], pair[keep]
+            rq = (start_q.index_select(0, qi.index_select(0, pair)) + f % Lq).clamp(max=rows_q - 1)
+            rd = (start_d.index_select(0, di.index_select(0, pair)) + a.index_select(0, f)).clamp(0, rows_d - 1)
+            cpu.add_links(dQ, dD, Qa, Da, rq, rd, g.index_select(0, pair))
     if normalize:
         dQ = cpu.project_normalized_grad(dQ, Qa, norm_q)
         dD = cpu.project_normalized_grad(dD, Da, norm_d)
