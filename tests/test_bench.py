@@ -68,11 +68,21 @@ ISSUE_3 = {
 }
 
 
+# Issue 5's shapes off the matrix (dim 48/96, Lq 23, Ld 333, K 7, Nq 7), where the margins must hold too.
+OFF_MATRIX = {
+    ("infer", "cross", 7, 1000, 23, 333, 96),
+    ("infer", "candidates", 32, 7, 23, 333, 48),
+    ("train", "cross", 64, 64, 23, 333, 96),
+    ("train", "candidates", 64, 7, 23, 333, 48),
+}
+
+
 def test_workload_table_matches_issue():
     dense = [w for w in workloads.WORKLOADS if not w.ragged]
     got = {(w.mode, w.layout, w.nq, w.nd, w.lq, w.ld, w.dim) for w in dense}
-    assert got == ISSUE_3
-    assert len(dense) == len(ISSUE_3)
+    assert got == ISSUE_3 | OFF_MATRIX
+    assert len(dense) == len(ISSUE_3) + len(OFF_MATRIX)
+    assert all(w.note == "off-matrix" for w in dense if (w.mode, w.layout, w.nq, w.nd, w.lq, w.ld, w.dim) in OFF_MATRIX)
     keys = [w.key for w in workloads.WORKLOADS]
     assert len(set(keys)) == len(keys)
     assert all(w.note for w in workloads.WORKLOADS)
@@ -114,7 +124,7 @@ def test_quick_keeps_names_and_shrinks():
 
 def test_select_modes_patterns_and_errors():
     assert {w.mode for w in select("infer")} == {"infer"}
-    assert len(select("train")) == 8 + 3 and len(select("infer")) == 10 + 4  # dense + ragged
+    assert len(select("train")) == 8 + 2 + 3 and len(select("infer")) == 10 + 2 + 4  # dense + off-matrix + ragged
     both = select("all", ["cross-32x32-lq32-ld80"])
     assert [w.key for w in both] == ["infer/cross-32x32-lq32-ld80", "train/cross-32x32-lq32-ld80"]
     assert [w.key for w in select("all", ["train/cross-32x32-lq32-ld80"])] == ["train/cross-32x32-lq32-ld80"]

@@ -79,7 +79,7 @@ def main() -> None:
     launch.INTERPRETER = False
     for dt in (torch.bfloat16, torch.float32):
         for normalize in (False, True):
-            for lq, dim in ((32, 128), (8, 64), (200, 128), (32, 256)):
+            for lq, dim in ((32, 128), (8, 64), (200, 128), (32, 256), (23, 96), (23, 48)):  # + off-matrix
                 Q = torch.randn(4, lq, dim, dtype=dt)
                 for D in (torch.randn(1, 5, 40, dim, dtype=dt), torch.randn(4, 3, 40, dim, dtype=dt)):
                     for masks in (False, True):

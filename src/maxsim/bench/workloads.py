@@ -244,6 +244,11 @@ WORKLOADS: tuple[Workload, ...] = (
     _w("train", "candidates", 256, 16, 32, 300, note="hard negatives"),
     _w("train", "cross", 32, 32, 1024, 1024, note="long queries"),
     _w("train", "pairs", 512, 512, 32, 300, note="positives"),
+    # off the matrix (issue 5: the margins must hold for shapes nobody tuned for): dim 48/96, Lq 23, Ld 333, K 7, Nq 7
+    _w("infer", "cross", 7, 1000, 23, 333, dim=96, note="off-matrix"),
+    _w("infer", "candidates", 32, 7, 23, 333, dim=48, note="off-matrix"),
+    _w("train", "cross", 64, 64, 23, 333, dim=96, note="off-matrix"),
+    _w("train", "candidates", 64, 7, 23, 333, dim=48, note="off-matrix"),
     # ragged (packed tokens with offsets): maxsim's ragged entry points against the padded dense path
     _w("infer", "varlen", 64, 256, 32, 1000, note="in-batch, skewed lengths", **_SKEWED),
     _w("infer", "varlen", 32, 8192, 32, 1000, note="corpus scan, skewed lengths", **_SKEWED),
