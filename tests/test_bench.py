@@ -68,6 +68,8 @@ ISSUE_3 = {
 }
 
 
+# design.md §7's H100 table adds one row to issue 3's matrix.
+DESIGN_H100 = {("infer", "cross", 1, 1000, 32, 1024, 48)}
 # Issue 5's shapes off the matrix (dim 48/96, Lq 23, Ld 333, K 7, Nq 7), where the margins must hold too.
 OFF_MATRIX = {
     ("infer", "cross", 7, 1000, 23, 333, 96),
@@ -80,8 +82,8 @@ OFF_MATRIX = {
 def test_workload_table_matches_issue():
     dense = [w for w in workloads.WORKLOADS if not w.ragged]
     got = {(w.mode, w.layout, w.nq, w.nd, w.lq, w.ld, w.dim) for w in dense}
-    assert got == ISSUE_3 | OFF_MATRIX
-    assert len(dense) == len(ISSUE_3) + len(OFF_MATRIX)
+    assert got == ISSUE_3 | DESIGN_H100 | OFF_MATRIX
+    assert len(dense) == len(ISSUE_3) + len(DESIGN_H100) + len(OFF_MATRIX)
     assert all(w.note == "off-matrix" for w in dense if (w.mode, w.layout, w.nq, w.nd, w.lq, w.ld, w.dim) in OFF_MATRIX)
     keys = [w.key for w in workloads.WORKLOADS]
     assert len(set(keys)) == len(keys)
@@ -124,7 +126,8 @@ def test_quick_keeps_names_and_shrinks():
 
 def test_select_modes_patterns_and_errors():
     assert {w.mode for w in select("infer")} == {"infer"}
-    assert len(select("train")) == 8 + 2 + 3 and len(select("infer")) == 10 + 2 + 4  # dense + off-matrix + ragged
+    # issue 3's matrix + design.md's H100 row + off-matrix + ragged
+    assert len(select("train")) == 8 + 2 + 3 and len(select("infer")) == 10 + 1 + 2 + 4
     both = select("all", ["cross-32x32-lq32-ld80"])
     assert [w.key for w in both] == ["infer/cross-32x32-lq32-ld80", "train/cross-32x32-lq32-ld80"]
     assert [w.key for w in select("all", ["train/cross-32x32-lq32-ld80"])] == ["train/cross-32x32-lq32-ld80"]

@@ -235,6 +235,7 @@ WORKLOADS: tuple[Workload, ...] = (
     _w("infer", "candidates", 32, 100, 32, 256, note="padded rerank"),
     _w("infer", "candidates", 32, 50, 32, 180, note="padded rerank"),
     _w("infer", "cross", 1, 4000, 32, 1024, dim=64, note="edge model"),
+    _w("infer", "cross", 1, 1000, 32, 1024, dim=48, note="rerank 1000, dim 48 (design.md §7, H100 table)"),
     # training
     _w("train", "cross", 32, 32, 32, 80, note="contrastive step"),
     _w("train", "cross", 64, 64, 32, 128, note="contrastive step"),
