@@ -130,10 +130,13 @@ def _forward_pairs(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg:
 
 
 def _length_classes(lengths: Tensor) -> list[tuple[Tensor, int]]:
-    """``(indices, longest)`` of each length class (lengths in ``(2^(c-1), 2^c]``; 0 and 1 share the first)."""
+    """``(indices, longest)`` of each length class (lengths in ``(2^(c-1), 2^c]``; 0 and 1 share the first).
+
+    CPU tensors only (both callers check the device first): reading the classes and maxima back is free there,
+    whereas on a GPU it would be a host sync per call."""
     length_class = torch.ceil(torch.log2(lengths.clamp(min=1).double())).long()
     groups = []
-    for c in torch.unique(length_class).tolist():
+    for c in torch.unique(length_class).tolist():  # no sync: CPU tensors only (see above)
         ids = (length_class == c).nonzero().squeeze(1)
         groups.append((ids, max(1, int(lengths[ids].max()))))
     return groups
