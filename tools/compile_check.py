@@ -85,8 +85,11 @@ def main() -> None:
                     for masks in (False, True):
                         qm = torch.ones(Q.shape[:2], dtype=torch.bool) if masks else None
                         dm = torch.ones(D.shape[:3], dtype=torch.bool) if masks else None
-                        s, a = launch.forward(Q, D, qm, dm, normalize, True)
-                        launch.forward(Q, D, qm, dm, normalize, False)
+                        for sms in (1, 132):  # shared documents: persistent programs, then one per document
+                            launch._INTERPRETER_SMS = sms
+                            launch._plans.clear()
+                            s, a = launch.forward(Q, D, qm, dm, normalize, True)
+                            launch.forward(Q, D, qm, dm, normalize, False)
                         a = torch.zeros(Q.shape[0], D.shape[1], lq, dtype=torch.int32)
                         g = torch.ones(Q.shape[0], D.shape[1])
                         for det in (False, True):

@@ -68,13 +68,15 @@ def kernel_table(label: str, step) -> None:
 
 def large_steps() -> None:
     dt = torch.bfloat16
-    for label, (nq, nd, lq, ld) in {
-        "cross 256x256 Lq32 Ld300": (256, 256, 32, 300),
-        "cross 64x64 Lq32 Ld1024": (64, 64, 32, 1024),
-        "cross 32x32 Lq1024 Ld1024": (32, 32, 1024, 1024),
+    for label, (nq, nd, lq, ld, dim) in {
+        "cross 256x256 Lq32 Ld300": (256, 256, 32, 300, 128),
+        "cross 64x64 Lq32 Ld1024": (64, 64, 32, 1024, 128),
+        "cross 32x32 Lq1024 Ld1024": (32, 32, 1024, 1024, 128),
+        "cross 64x64 Lq23 Ld333 dim 96 (off-matrix)": (64, 64, 23, 333, 96),
+        "cross 64x64 Lq32 Ld128": (64, 64, 32, 128, 128),
     }.items():
-        Q = torch.randn(nq, lq, 128, device="cuda", dtype=dt, requires_grad=True)
-        D = torch.randn(nd, ld, 128, device="cuda", dtype=dt, requires_grad=True)
+        Q = torch.randn(nq, lq, dim, device="cuda", dtype=dt, requires_grad=True)
+        D = torch.randn(nd, ld, dim, device="cuda", dtype=dt, requires_grad=True)
         w = torch.randn(nq, nd, device="cuda")
         kernel_table(label, lambda Q=Q, D=D, w=w: torch.autograd.grad((maxsim.maxsim(Q, D) * w).sum(), (Q, D)))
 

@@ -34,6 +34,7 @@ import triton.language as tl
 from .segments import OFFSETS, doc_segment, query_segment
 
 SCAN = tl.constexpr(1024)  # pair ids compared per step when a short pair list is scanned (PAIR_SCAN)
+UNROLL = tl.constexpr(4)  # pairs gathered per step of the dQ walk
 
 
 @triton.jit
@@ -50,15 +51,17 @@ def _pair(q, e, K, PERM, PD, PAIR_LIST: tl.constexpr):
 def _dq_add(
     acc, p, doc, b, t, t_ok, kd, kd_ok, G, ARG, D, INV_D, DSEG,
     K, Lq, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, sg,
-    BT: tl.constexpr, D_KIND: tl.constexpr, NORMALIZE: tl.constexpr,
+    live, BT: tl.constexpr, D_KIND: tl.constexpr, NORMALIZE: tl.constexpr,
 ):  # fmt: skip
-    """``acc [BT, DIM_P]`` plus pair ``p``'s share of dQ for query tokens ``t``: ``g · D[doc, argmax]``."""
+    """``acc [BT, DIM_P]`` plus pair ``p``'s share of dQ for query tokens ``t``: ``g · D[doc, argmax]`` (nothing,
+    not even a NaN of ``g``, where ``live`` is false)."""
     d_base, d_tok0, _d_len, _d_bad = doc_segment(
         D, DSEG, b, doc, K, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, D_KIND
     )
-    a = tl.load(ARG + p * Lq + t, mask=t_ok, other=-1)
+    # (tl.where, not `t_ok & live`: the interpreter gives `&` of a block and a scalar a non-boolean dtype)
+    a = tl.load(ARG + p * Lq + t, mask=tl.where(live, t_ok, False), other=-1)
     hit = a >= 0
-    w = tl.load(G + p * sg) + tl.zeros([BT], dtype=tl.float32)
+    w = tl.where(live, tl.load(G + p * sg), 0.0) + tl.zeros([BT], dtype=tl.float32)  # (p is a real pair)
     if NORMALIZE:
         w = w * tl.load(INV_D + d_tok0 + a, mask=hit, other=0.0)
     rows = tl.load(d_base + a[:, None] * sd_l + kd[None, :], mask=hit[:, None] & kd_ok[None, :], other=0.0)
@@ -107,7 +110,8 @@ def maxsim_bwd_dq_kernel(
                         p = tl.sum(tl.where(mine & (rank == h + 1), cols, 0), 0).to(tl.int64)
                         acc = _dq_add(
                             acc, p, tl.load(PD + p).to(tl.int64), b, t, t_ok, kd, kd_ok, G, ARG, D, INV_D, DSEG,
-                            K, Lq, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, sg, BT, D_KIND, NORMALIZE,
+                            K, Lq, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, sg, p >= 0, BT, D_KIND,
+                            NORMALIZE,
                         )  # fmt: skip
         else:
             if PAIR_LIST:
@@ -116,12 +120,17 @@ def maxsim_bwd_dq_kernel(
             else:
                 e_lo = q * 0
                 e_hi = q * 0 + K
-            for e in range(e_lo, e_hi):
-                p, doc = _pair(q, e, K, QPERM, PD, PAIR_LIST)
-                acc = _dq_add(
-                    acc, p, doc, b, t, t_ok, kd, kd_ok, G, ARG, D, INV_D, DSEG,
-                    K, Lq, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, sg, BT, D_KIND, NORMALIZE,
-                )  # fmt: skip
+            # UNROLL pairs per step: their loads do not depend on each other, so they are in flight together (one
+            # pair at a time, the walk waits for two dependent L2 round trips per pair). Same order of the sum.
+            for e0 in range(e_lo, e_hi, UNROLL):
+                for j in tl.static_range(UNROLL):
+                    e = e0 + j
+                    live = e < e_hi
+                    p, doc = _pair(q, tl.minimum(e, e_hi - 1), K, QPERM, PD, PAIR_LIST)
+                    acc = _dq_add(
+                        acc, p, doc, b, t, t_ok, kd, kd_ok, G, ARG, D, INV_D, DSEG,
+                        K, Lq, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, sg, live, BT, D_KIND, NORMALIZE,
+                    )  # fmt: skip
     # Padded rows (past a query's length, inside its padding) are written too: their gradient is zero.
     t_store = t_ok if Q_KIND == OFFSETS else t < Lq
     out = dq_base + t[:, None] * sdq_l + kd[None, :]

@@ -46,13 +46,93 @@ def _load_q_chunk(q_rows, row_ok, kc, dim, BLOCK_K: tl.constexpr, UPCAST: tl.con
     return qt
 
 
+@triton.jit
+def _argmax_slots(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SAVE_ARGMAX: tl.constexpr):
+    """The running argmax's tile offsets ``[rows, BLOCK_N]``, or a one-element stand-in when none is kept (so a
+    loop that resets it costs no registers)."""
+    if SAVE_ARGMAX:
+        return tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    else:
+        return tl.zeros([1, 1], dtype=tl.int32)
+
+
+@triton.jit
+def _scan_tile(
+    qt, q_rows, row_ok, d_base, dm_doc, n0, d_len, dim, sd_l, sdm_l, m2, a2, any_valid,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, HAS_DMASK: tl.constexpr,
+    NORMALIZE: tl.constexpr, SAVE_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """One document tile ``[n0, n0 + BLOCK_N)`` folded into the running max ``m2`` (and argmax ``a2``) of shape
+    ``[rows, BLOCK_N]``; ``any_valid [BLOCK_N]`` remembers whether a column slot ever held a valid token."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    in_doc = cols < d_len
+    col_ok = in_doc
+    if HAS_DMASK:
+        col_ok = col_ok & (tl.load(dm_doc + cols * sdm_l, mask=in_doc, other=0) != 0)
+    s = tl.zeros([qt.shape[0], BLOCK_N], dtype=tl.float32)
+    if NORMALIZE:
+        sumsq = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for kc in tl.static_range(NUM_K):
+        if NUM_K > 1:
+            qt = _load_q_chunk(q_rows, row_ok, kc, dim, BLOCK_K, UPCAST)
+        kd = kc * BLOCK_K + tl.arange(0, BLOCK_K)
+        # Masked document tokens are not read (they may hold NaN/inf, and their bytes are not needed).
+        dt = tl.load(
+            d_base + cols[:, None] * sd_l + kd[None, :], mask=col_ok[:, None] & (kd[None, :] < dim), other=0.0
+        )  # [BLOCK_N, BLOCK_K], contiguous along dim
+        if NORMALIZE:
+            dtf = dt.to(tl.float32)
+            sumsq += tl.sum(dtf * dtf, axis=1)
+        if UPCAST:
+            dt = dt.to(tl.float32)
+        s = tl.dot(qt, tl.trans(dt), s, input_precision=DOT_PRECISION)
+    if NORMALIZE:
+        s = s * (1.0 / tl.maximum(tl.sqrt(sumsq), NORM_EPS))[None, :]
+    # The running max costs ALU instructions per element that the MMA does not hide; a full tile of a document
+    # without a mask has nothing to mask, so only a document's last tile (or a masked document) pays the select.
+    if HAS_DMASK:
+        s = tl.where(col_ok[None, :], s, float("-inf"))
+    elif n0 + BLOCK_N > d_len:
+        s = tl.where(in_doc[None, :], s, float("-inf"))
+    if SAVE_ARGMAX:
+        a2 = tl.where(s > m2, n0, a2)  # strict: an earlier tile keeps a tie
+    m2 = nan_max(m2, s)
+    any_valid = tl.maximum(any_valid, col_ok.to(tl.int32))
+    return m2, a2, any_valid
+
+
+@triton.jit
+def _finish_rows(
+    m2, a2, any_valid, qt, q_rows, row_ok, dim,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, NORMALIZE: tl.constexpr,
+    SAVE_ARGMAX: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Row maxima of one row block after its last tile: ``(value [rows] (0 where the row is not live), argmax
+    [rows] (-1 there), live [rows])``; the cross-lane reduction happens here, once per row block."""
+    m = tl.reduce(m2, 1, nan_max)
+    a = tl.zeros([qt.shape[0]], dtype=tl.int32)  # (unused when no argmax is kept)
+    if SAVE_ARGMAX:
+        _m, a = tl.reduce((m2, a2 + tl.arange(0, BLOCK_N)[None, :]), 1, _argmax_combine)
+    if NORMALIZE:
+        # The query's norm is a positive per-row factor: it scales the max without moving the argmax.
+        sumsq_q = tl.zeros([qt.shape[0]], dtype=tl.float32)
+        for kc in tl.static_range(NUM_K):
+            if NUM_K > 1:
+                qt = _load_q_chunk(q_rows, row_ok, kc, dim, BLOCK_K, UPCAST)
+            qf = qt.to(tl.float32)
+            sumsq_q += tl.sum(qf * qf, axis=1)
+        m = m * (1.0 / tl.maximum(tl.sqrt(sumsq_q), NORM_EPS))
+    row_live = row_ok & (tl.zeros([qt.shape[0]], dtype=tl.int32) + tl.max(any_valid, axis=0) > 0)
+    return tl.where(row_live, m, 0.0), tl.where(row_live, a, -1), row_live
+
+
 # Sizes are runtime values (no recompile for a new Nq, K, Lq or Ld); strides stay specialized, because their
 # divisibility by 16 is what lets loads be 16 bytes wide (a stride that changes with Ld costs at most one more
 # variant). Mask and length strides change with Ld but only feed narrow loads, so they are not specialized either.
 @triton.jit(
     do_not_specialize=[
         "Nq", "K", "Lq", "Ld", "n_qseq", "n_qrows", "n_dseq", "n_drows", "sqm_n", "sdm_b", "sdm_k", "sqs",
-        "sds_b", "sds_k", "n_qblocks", "n_rsplit", "rows_per_prog",
+        "sds_b", "sds_k", "n_qblocks", "n_rsplit", "rows_per_prog", "docs_per_prog",
     ]
 )  # fmt: skip
 def maxsim_fwd_kernel(
@@ -64,14 +144,18 @@ def maxsim_fwd_kernel(
     sqm_n, sqm_l,
     sdm_b, sdm_k, sdm_l,
     sqs, sds_b, sds_k,
-    n_qblocks, n_rsplit, rows_per_prog,
+    n_qblocks, n_rsplit, rows_per_prog, docs_per_prog,
     TQ: tl.constexpr, BQ: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
     Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr,
     HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr, NORMALIZE: tl.constexpr, SAVE_ARGMAX: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PERSIST: tl.constexpr,
 ):  # fmt: skip
     """Scores ``OUT [n_rsplit, Nq, K]`` and argmax ``ARG [Nq, K, Lq]``; a pair list runs as ``Nq = 1``, ``K`` =
-    number of pairs, query and document of pair ``k`` read from ``PQ[k]``, ``PD[k]``."""
+    number of pairs, query and document of pair ``k`` read from ``PQ[k]``, ``PD[k]``.
+
+    ``PERSIST``: the program walks ``docs_per_prog`` consecutive dense shared documents (``rows_per_prog <= TQ``,
+    ``NUM_K == 1``) in one flattened tile loop: its queries are loaded once, and the tile pipeline runs on across
+    document boundaries instead of draining and refilling per document."""
     BLOCK_M: tl.constexpr = BQ * TQ
     pid = tl.program_id(0)
     # Query blocks, then row splits vary fastest, so programs that run together share a document through L2.
@@ -81,6 +165,7 @@ def maxsim_fwd_kernel(
     r = tl.arange(0, BLOCK_M)
     q_out = qb * BQ + r // TQ  # output row of each MMA row
     q_in = q_out < Nq
+    q_first = qb * BQ + tl.arange(0, BQ)
     if PAIR_LIST:
         q_src = tl.load(PQ + kk).to(tl.int64) + tl.zeros([BLOCK_M], dtype=tl.int64)
         doc = tl.load(PD + kk).to(tl.int64)
@@ -90,101 +175,89 @@ def maxsim_fwd_kernel(
         doc = kk
         b = (qb * BQ).to(tl.int64)  # BQ > 1 only when documents are shared (sd_b == 0)
     q_base, _q_tok0, q_len, q_bad = query_segment(Q, QSEG, q_src, q_in, Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, Q_KIND)
-    d_base, _d_tok0, d_len, d_bad = doc_segment(
-        D, DSEG, b, doc, K, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, D_KIND
-    )
-    d_len = d_len.to(tl.int32)  # the tile loop's index feeds the int32 argmax
-    dm_doc = DM + b * sdm_b + kk * sdm_k
-    cols0 = tl.arange(0, BLOCK_N)
-
-    score = tl.zeros([BQ], dtype=tl.float32)
-    # Long queries are split over programs in blocks of rows_per_prog rows; each writes a partial score. Rows past
-    # the longest query of the block are not computed (only their argmax slots are written, below).
+    q_bad_blk = tl.max(tl.reshape(q_bad.to(tl.int32), [BQ, TQ]), axis=1) > 0
     r_lo = rs * rows_per_prog
     r_hi = tl.minimum(Lq, r_lo + rows_per_prog)
-    r_end = tl.minimum(r_hi, tl.max(tl.where(q_in, q_len, 0), axis=0))
-    for t0 in range(r_lo, r_end, TQ):
-        t = t0 + r % TQ
+
+    if PERSIST:
+        # Dense shared documents: every document has Ld tokens and no bad segment.
+        t = r_lo + r % TQ
         row_ok = q_in & (t < q_len) & (t < r_hi)
         if HAS_QMASK:
             row_ok = row_ok & (tl.load(QM + q_out * sqm_n + t * sqm_l, mask=row_ok, other=0) != 0)
         q_rows = q_base + t * sq_l
-        if NUM_K == 1:
-            qt = _load_q_chunk(q_rows, row_ok, 0, dim, BLOCK_K, UPCAST)
-
-        # Running max per (row, column slot) across tiles: one max (and one select for the argmax) per element
-        # per tile; the cross-lane row reduction happens once per row block instead of once per tile.
+        qt = _load_q_chunk(q_rows, row_ok, 0, dim, BLOCK_K, UPCAST)
+        n_tiles = tl.cdiv(Ld, BLOCK_N)
+        k_lo = kk * docs_per_prog
+        n_it = ((tl.minimum(K, k_lo + docs_per_prog) - k_lo) * n_tiles).to(tl.int32)  # int32 tile offsets
         m2 = tl.full([BLOCK_M, BLOCK_N], float("-inf"), dtype=tl.float32)
-        if SAVE_ARGMAX:
-            a2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+        a2 = _argmax_slots(BLOCK_M, BLOCK_N, SAVE_ARGMAX)
         any_valid = tl.zeros([BLOCK_N], dtype=tl.int32)
-        for n0 in range(0, d_len, BLOCK_N):
-            cols = n0 + cols0
-            in_doc = cols < d_len
-            col_ok = in_doc
-            if HAS_DMASK:
-                col_ok = col_ok & (tl.load(dm_doc + cols * sdm_l, mask=in_doc, other=0) != 0)
-            s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            if NORMALIZE:
-                sumsq = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for kc in tl.static_range(NUM_K):
-                if NUM_K > 1:
-                    qt = _load_q_chunk(q_rows, row_ok, kc, dim, BLOCK_K, UPCAST)
-                kd = kc * BLOCK_K + tl.arange(0, BLOCK_K)
-                # Masked document tokens are not read (they may hold NaN/inf, and their bytes are not needed).
-                dt = tl.load(
-                    d_base + cols[:, None] * sd_l + kd[None, :],
-                    mask=col_ok[:, None] & (kd[None, :] < dim),
-                    other=0.0,
-                )  # [BLOCK_N, BLOCK_K], contiguous along dim
-                if NORMALIZE:
-                    dtf = dt.to(tl.float32)
-                    sumsq += tl.sum(dtf * dtf, axis=1)
-                if UPCAST:
-                    dt = dt.to(tl.float32)
-                s = tl.dot(qt, tl.trans(dt), s, input_precision=DOT_PRECISION)
-            if NORMALIZE:
-                s = s * (1.0 / tl.maximum(tl.sqrt(sumsq), NORM_EPS))[None, :]
-            s = tl.where(col_ok[None, :], s, float("-inf"))
-            if SAVE_ARGMAX:
-                a2 = tl.where(s > m2, n0, a2)  # strict: an earlier tile keeps a tie
-            m2 = nan_max(m2, s)
-            any_valid = tl.maximum(any_valid, col_ok.to(tl.int32))
-        m = tl.reduce(m2, 1, nan_max)
-        if SAVE_ARGMAX:
-            _m, a = tl.reduce((m2, a2 + cols0[None, :]), 1, _argmax_combine)
+        for it in range(0, n_it):
+            k = k_lo + it // n_tiles
+            n0 = (it % n_tiles) * BLOCK_N
+            m2, a2, any_valid = _scan_tile(
+                qt, q_rows, row_ok, D + k * sd_k, DM + k * sdm_k, n0, Ld, dim, sd_l, sdm_l, m2, a2, any_valid,
+                BLOCK_N, BLOCK_K, NUM_K, HAS_DMASK, NORMALIZE, SAVE_ARGMAX, DOT_PRECISION, UPCAST,
+            )  # fmt: skip
+            if n0 + BLOCK_N >= Ld:  # the document's last tile: its scores, then a fresh running max
+                row_val, a, _live = _finish_rows(
+                    m2, a2, any_valid, qt, q_rows, row_ok, dim, BLOCK_N, BLOCK_K, NUM_K, NORMALIZE, SAVE_ARGMAX,
+                    UPCAST,
+                )  # fmt: skip
+                if SAVE_ARGMAX:
+                    tl.store(ARG + (q_out.to(tl.int64) * K + k) * Lq + t, a, mask=q_in & (t < r_hi))
+                score = tl.sum(tl.reshape(row_val, [BQ, TQ]), axis=1)
+                score = tl.where(q_bad_blk, float("nan"), score)
+                tl.store(OUT + (rs.to(tl.int64) * Nq + q_first) * K + k, score, mask=q_first < Nq)
+                m2 = tl.full([BLOCK_M, BLOCK_N], float("-inf"), dtype=tl.float32)
+                a2 = _argmax_slots(BLOCK_M, BLOCK_N, SAVE_ARGMAX)
+                any_valid = tl.zeros([BLOCK_N], dtype=tl.int32)
+    else:
+        d_base, _d_tok0, d_len, d_bad = doc_segment(
+            D, DSEG, b, doc, K, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, D_KIND
+        )
+        d_len = d_len.to(tl.int32)  # the tile loop's index feeds the int32 argmax
+        dm_doc = DM + b * sdm_b + kk * sdm_k
 
-        if NORMALIZE:
-            # The query's norm is a positive per-row factor: it scales the max without moving the argmax.
-            sumsq_q = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for kc in tl.static_range(NUM_K):
-                if NUM_K > 1:
-                    qt = _load_q_chunk(q_rows, row_ok, kc, dim, BLOCK_K, UPCAST)
-                qf = qt.to(tl.float32)
-                sumsq_q += tl.sum(qf * qf, axis=1)
-            m = m * (1.0 / tl.maximum(tl.sqrt(sumsq_q), NORM_EPS))
-        row_live = row_ok & (tl.zeros([BLOCK_M], dtype=tl.int32) + tl.max(any_valid, axis=0) > 0)
-        row_val = tl.where(row_live, m, 0.0)
-        score += tl.sum(tl.reshape(row_val, [BQ, TQ]), axis=1)
-        if SAVE_ARGMAX:
-            tl.store(
-                ARG + (q_out.to(tl.int64) * K + kk) * Lq + t,
-                tl.where(row_live, a, -1),
-                mask=q_in & (t < r_hi),
-            )
-    if SAVE_ARGMAX:
-        # Slots past the end of every query of the block: no token, argmax -1.
-        t_tail = r_lo + tl.cdiv(tl.maximum(r_end - r_lo, 0), TQ) * TQ
-        for t0 in range(t_tail, r_hi, TQ):
+        score = tl.zeros([BQ], dtype=tl.float32)
+        # Long queries are split over programs in blocks of rows_per_prog rows; each writes a partial score. Rows
+        # past the longest query of the block are not computed (only their argmax slots are written, below).
+        r_end = tl.minimum(r_hi, tl.max(tl.where(q_in, q_len, 0), axis=0))
+        for t0 in range(r_lo, r_end, TQ):
             t = t0 + r % TQ
-            tl.store(
-                ARG + (q_out.to(tl.int64) * K + kk) * Lq + t,
-                tl.full([BLOCK_M], -1, dtype=tl.int32),
-                mask=q_in & (t < r_hi),
+            row_ok = q_in & (t < q_len) & (t < r_hi)
+            if HAS_QMASK:
+                row_ok = row_ok & (tl.load(QM + q_out * sqm_n + t * sqm_l, mask=row_ok, other=0) != 0)
+            q_rows = q_base + t * sq_l
+            qt = _load_q_chunk(q_rows, row_ok, 0, dim, BLOCK_K, UPCAST)
+            # Running max per (row, column slot) across tiles: one max (and one select for the argmax) per element
+            # per tile; the cross-lane row reduction happens once per row block instead of once per tile.
+            m2 = tl.full([BLOCK_M, BLOCK_N], float("-inf"), dtype=tl.float32)
+            a2 = _argmax_slots(BLOCK_M, BLOCK_N, SAVE_ARGMAX)
+            any_valid = tl.zeros([BLOCK_N], dtype=tl.int32)
+            for n0 in range(0, d_len, BLOCK_N):
+                m2, a2, any_valid = _scan_tile(
+                    qt, q_rows, row_ok, d_base, dm_doc, n0, d_len, dim, sd_l, sdm_l, m2, a2, any_valid,
+                    BLOCK_N, BLOCK_K, NUM_K, HAS_DMASK, NORMALIZE, SAVE_ARGMAX, DOT_PRECISION, UPCAST,
+                )  # fmt: skip
+            row_val, a, _live = _finish_rows(
+                m2, a2, any_valid, qt, q_rows, row_ok, dim, BLOCK_N, BLOCK_K, NUM_K, NORMALIZE, SAVE_ARGMAX, UPCAST
             )
+            score += tl.sum(tl.reshape(row_val, [BQ, TQ]), axis=1)
+            if SAVE_ARGMAX:
+                tl.store(ARG + (q_out.to(tl.int64) * K + kk) * Lq + t, a, mask=q_in & (t < r_hi))
+        if SAVE_ARGMAX:
+            # Slots past the end of every query of the block: no token, argmax -1.
+            t_tail = r_lo + tl.cdiv(tl.maximum(r_end - r_lo, 0), TQ) * TQ
+            for t0 in range(t_tail, r_hi, TQ):
+                t = t0 + r % TQ
+                tl.store(
+                    ARG + (q_out.to(tl.int64) * K + kk) * Lq + t,
+                    tl.full([BLOCK_M], -1, dtype=tl.int32),
+                    mask=q_in & (t < r_hi),
+                )
 
-    # Out-of-range offsets, lengths or pair ids poison their scores instead of passing as plausible numbers.
-    bad = tl.reshape(q_bad.to(tl.int32), [BQ, TQ])
-    score = tl.where((tl.max(bad, axis=1) > 0) | d_bad, float("nan"), score)
-    q_first = qb * BQ + tl.arange(0, BQ)
-    tl.store(OUT + (rs.to(tl.int64) * Nq + q_first) * K + kk, score, mask=q_first < Nq)
+        # Out-of-range offsets, lengths or pair ids poison their scores instead of passing as plausible numbers.
+        score = tl.where(q_bad_blk | d_bad, float("nan"), score)
+        tl.store(OUT + (rs.to(tl.int64) * Nq + q_first) * K + kk, score, mask=q_first < Nq)

@@ -116,6 +116,36 @@ def _d_strides(x: Tensor, shared: bool) -> tuple[int, int, int]:
     return (0 if shared else x.stride(0)), x.stride(1), x.stride(2)
 
 
+_sm_counts: dict[int, int] = {}
+# Under the interpreter (CPU tensors): one, so that the tests of shared dense documents run persistent programs.
+_INTERPRETER_SMS = 1
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _INTERPRETER_SMS
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    n = _sm_counts.get(idx)
+    if n is None:
+        n = _sm_counts[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return n
+
+
+def _docs_per_program(base: int, K: int, slots: int, tiles: int) -> int:
+    """How many consecutive documents of ``tiles`` tiles each the ``base`` (query block, row split) programs of a
+    persistent launch walk, for ``slots`` programs resident at once: the split that minimizes the busiest
+    multiprocessor's load, waves x (tiles per program + 3), the 3 being what a program costs besides its tiles
+    (query load, pipeline fill, in tiles; tools/fwd_probe.py on an H100). 1 means: no persistent launch."""
+    best_cost, best_docs = None, 1
+    for waves in [*range(1, 9), triton_cdiv(base * K, slots)]:
+        n_kprogs = max(1, min(K, waves * slots // base))
+        docs = triton_cdiv(K, n_kprogs)
+        cost = triton_cdiv(base * triton_cdiv(K, docs), slots) * (docs * tiles + 3)
+        if best_cost is None or cost < best_cost:
+            best_cost, best_docs = cost, docs
+    return best_docs
+
+
 class _ForwardPlan(NamedTuple):
     """Everything a forward launch needs that depends only on shapes, strides and flags."""
 
@@ -152,7 +182,7 @@ def forward(
     key = None
     if cfg is None:
         key = (
-            Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype,
+            Q.device, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype,
             None if q_mask is None else q_mask.stride(), None if d_mask is None else d_mask.stride(),
             normalize, need_argmax, torch.get_float32_matmul_precision(), _ragged_key(rg),
         )  # fmt: skip
@@ -177,21 +207,26 @@ def forward(
     # summed afterwards in a fixed order.
     n_rsplit = triton_cdiv(Lq, cfg.TQ) if (cfg.BQ == 1 and cfg.SPLIT_ROWS) else 1
     rows_per_prog = cfg.TQ if n_rsplit > 1 else Lq
+    docs_per_prog = 1
+    if cfg.persist and shared and sg.d_kind == DENSE and cfg.NUM_K == 1 and rows_per_prog <= cfg.TQ:
+        slots = _sm_count(Q.device) * cfg.persist
+        docs_per_prog = _docs_per_program(n_qblocks * n_rsplit, K, slots, triton_cdiv(Ld, cfg.BLOCK_N))
     plan = _ForwardPlan(
         Nq, K, Lq, n_rsplit,
-        n_qblocks * n_rsplit * K,
+        n_qblocks * n_rsplit * triton_cdiv(K, docs_per_prog),
         (
             Nq, K, Lq, Ld, dim,
             sg.n_q, sg.rows_q, sg.n_d, sg.rows_d,
             *_q_strides(Q), *_d_strides(D, shared), *sqm, *sdm,
             sg.sqs, sg.sds_b, sg.sds_k,
-            n_qblocks, n_rsplit, rows_per_prog,
+            n_qblocks, n_rsplit, rows_per_prog, docs_per_prog,
         ),
         dict(
             TQ=cfg.TQ, BQ=cfg.BQ, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, NUM_K=cfg.NUM_K,
             Q_KIND=sg.q_kind, D_KIND=sg.d_kind, PAIR_LIST=sg.pairs,
             HAS_QMASK=q_mask is not None, HAS_DMASK=d_mask is not None, NORMALIZE=normalize,
             SAVE_ARGMAX=need_argmax, DOT_PRECISION=_dot_precision(Q.dtype), UPCAST=_upcast(Q.dtype),
+            PERSIST=docs_per_prog > 1,
         ),
         cfg.num_warps,
         cfg.num_stages,
