@@ -508,6 +508,29 @@ def test_from_json_rerenders_markdown_and_chart(small_result, tmp_path, capsys):
     assert main(["bench", "--from-json", str(tmp_path / "missing.json")]) == 2
 
 
+def test_from_json_merges_runs_of_one_card(small_result, tmp_path, capsys):
+    import copy
+
+    a = report.Result(meta=dict(small_result.meta, git_commit="aaa"), rows=small_result.rows[:2])
+    later = copy.deepcopy(small_result.rows)
+    later[0].ms = 123.0  # the same (mode, workload, impl) again: the later run's row wins
+    b = report.Result(meta=dict(small_result.meta, git_commit="bbb"), rows=later)
+    report.write_outputs(a, tmp_path / "a", log=lambda s: None)
+    report.write_outputs(b, tmp_path / "b", log=lambda s: None)
+    out = tmp_path / "merged"
+    assert main(["bench", "--from-json", str(tmp_path / "a" / "cpu.json"), str(tmp_path / "b" / "cpu.json"),
+                 "--out", str(out)]) == 0  # fmt: skip
+    merged = report.load(out / "cpu.json")
+    assert len(merged.rows) == len(small_result.rows) and merged.rows[0].ms == 123.0
+    assert merged.meta["git_commit"] == "aaa+bbb" and len(merged.meta["parts"]) == 2
+    assert "Run 2 of 2: commit bbb" in (out / "cpu.md").read_text()
+    other = report.Result(meta=dict(small_result.meta, card="h100"), rows=small_result.rows)
+    report.write_outputs(other, tmp_path / "c", log=lambda s: None)
+    capsys.readouterr()
+    assert main(["bench", "--from-json", str(tmp_path / "a" / "cpu.json"), str(tmp_path / "c" / "h100.json")]) == 2
+    assert "different card" in capsys.readouterr().err
+
+
 def test_png_without_matplotlib(small_result, tmp_path, monkeypatch):
     import builtins
 

@@ -42,8 +42,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--from-json",
         metavar="FILE",
+        nargs="+",
         help="run nothing: re-render the table, <card>.md and <card>.png of a saved JSON (into --out, default "
-        "the JSON's folder), e.g. where matplotlib is installed",
+        "the JSON's folder), e.g. where matplotlib is installed; several JSONs of one card are merged into one "
+        "report (and <card>.json), later runs replacing the same workloads of earlier ones",
     )
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
@@ -113,18 +115,20 @@ def _bench(args: argparse.Namespace) -> int:
     return 1 if broken else 0
 
 
-def _render(path: str, out: str | None) -> int:
+def _render(paths: list[str], out: str | None) -> int:
     from pathlib import Path
 
     from .bench import report
 
     try:
-        result = report.load(path)
+        results = [report.load(path) for path in paths]
+        result = results[0] if len(results) == 1 else report.merge(results)
     except (OSError, ValueError) as e:
-        print(f"maxsim bench: --from-json {path}: {e}", file=sys.stderr)
+        print(f"maxsim bench: --from-json {' '.join(paths)}: {e}", file=sys.stderr)
         return 2
     print(report.terminal_table(result))
-    for written in report.write_outputs(result, out or Path(path).parent, write_json=False):
+    merged = len(results) > 1
+    for written in report.write_outputs(result, out or Path(paths[0]).parent, write_json=merged):
         print(f"wrote {written}")
     return 0
 

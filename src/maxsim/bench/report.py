@@ -309,6 +309,13 @@ def markdown(result: Result) -> str:
     ]
     if m.get("quick"):
         out.append("`--quick` run: tiny shapes under the full-size names (the shape column gives the real ones).")
+    for i, part in enumerate(m.get("parts") or []):
+        args = " ".join(part.get("argv") or [])
+        out.append(
+            f"Run {i + 1} of {len(m['parts'])}: commit {part.get('git_commit')}, {part.get('date')}, `{args}`; "
+            f"copy {part.get('copy_bandwidth_gbps') or 0:.0f} GB/s, matmul {part.get('matmul_tflops') or 0:.0f} "
+            "TFLOP/s (each workload's rows come from one run)."
+        )
     if m.get("copy_bandwidth_gbps"):
         out.append(
             f"Measured roofline: copy {m['copy_bandwidth_gbps']:.0f} GB/s, {m.get('matmul_dtype')} matmul "
@@ -464,6 +471,30 @@ def write_outputs(result: Result, out_dir: Path | str, log=print, write_json: bo
     else:
         log(f"no chart: {why}")
     return paths
+
+
+def merge(results: list[Result]) -> Result:
+    """One report of several runs on the same card and dtype (e.g. inference and training run as two device calls):
+    rows of later runs replace the same (mode, workload, implementation) of earlier ones. Each row keeps its own
+    provenance, and every workload's implementations come from one run, so ratios stay within a run; the meta data
+    lists the runs under ``parts``."""
+    first = results[0].meta
+    for r in results[1:]:
+        for key in ("card", "dtype", "quick"):
+            if r.meta.get(key) != first.get(key):
+                raise ValueError(f"cannot merge runs with different {key}: {first.get(key)!r} vs {r.meta.get(key)!r}")
+    rows: dict[tuple, Row] = {}
+    for r in results:
+        for row in r.rows:
+            rows[(row.mode, row.workload, row.impl)] = row
+    meta = dict(first)
+    commits = list(dict.fromkeys(str(r.meta.get("git_commit")) for r in results))
+    meta["git_commit"] = "+".join(commits)
+    meta["parts"] = [
+        {k: r.meta.get(k) for k in ("git_commit", "date", "argv", "copy_bandwidth_gbps", "matmul_tflops")}
+        for r in results
+    ]
+    return Result(meta=meta, rows=list(rows.values()))
 
 
 def load(path: Path | str) -> Result:
