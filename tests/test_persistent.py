@@ -22,11 +22,12 @@ def _both(monkeypatch, Q, D, qm, dm, normalize, argmax):
     """(one document per program, persistent with a single multiprocessor's worth of programs), whatever the
     launch table would pick for the shape."""
     Nq, Lq, dim = Q.shape
-    cfg = forward_config(Lq, dim, Nq, True, argmax)
+    cfg = forward_config(Lq, dim, Nq, D.shape[0] == 1, argmax)
     plain = launch.forward(Q, D, qm, dm, normalize, argmax, cfg=dataclasses.replace(cfg, persist=0))
     monkeypatch.setattr(launch, "_sm_count", lambda device: 1)
     persistent = launch.forward(Q, D, qm, dm, normalize, argmax, cfg=dataclasses.replace(cfg, persist=1))
-    grid = launch.triton_cdiv(Nq, cfg.BQ) * launch.triton_cdiv(Lq, cfg.TQ if cfg.SPLIT_ROWS else Lq)
+    grid = launch.triton_cdiv(Nq, cfg.BQ) * launch.triton_cdiv(Lq, cfg.TQ if cfg.SPLIT_ROWS else Lq)  # (cfg.BQ = 1
+    # for candidates: a program walks one query's documents)
     tiles = launch.triton_cdiv(D.shape[2], cfg.BLOCK_N)
     assert launch._docs_per_program(grid, D.shape[1], 1, tiles) > 1  # the case really walks several documents
     return plain, persistent
@@ -74,3 +75,16 @@ def test_persistent_masks_nan_and_ties(normalize, device, monkeypatch):
     assert torch.isnan(plain[0][[0, 2], 2]).all() and not torch.isnan(plain[0][:, 4]).any()
     assert (plain[0][1] == 0).all()
     assert (plain[1][:, 3] == -1).all()
+
+
+def test_persistent_candidates(device, monkeypatch):
+    """Candidates: a program walks several documents of its own query (batch row), masks per row."""
+    Nq, K, Lq, Ld, dim = 3, 5, 9, 20, 16
+    Q = randn((Nq, Lq, dim), seed=7, dtype=torch.bfloat16, device=device)
+    D = randn((Nq, K, Ld, dim), seed=8, dtype=torch.bfloat16, device=device)
+    qm = rand_mask((Nq, Lq), seed=9, device=device)
+    dm = rand_mask((Nq, K, Ld), seed=10, device=device)
+    dm[1, 2] = False
+    plain, persistent = _both(monkeypatch, Q, D, qm, dm, False, True)
+    _assert_bitwise(plain, persistent)
+    assert (plain[1][1, 2] == -1).all() and (plain[0][1, 2] == 0)

@@ -79,28 +79,35 @@ def length_scan(tflops: float) -> dict:
 CONFIGS = {
     # name: (Nq, K, Lq, Ld, dim, shared, argmax, [(TQ, BQ, BN, warps, stages, split, persist), ...]); the default
     # configuration is always timed first, and again with persist=0 where it is persistent.
-    "train-fwd cross 256x256 Lq32 Ld300": (256, 256, 32, 300, 128, True, True, [
-        (32, 4, 64, 4, 3, False, 2), (32, 4, 64, 4, 3, False, 1), (32, 8, 64, 8, 2, False, 1),
-        (32, 8, 32, 8, 3, False, 1),
-    ]),
-    "fwd cross 256x256 Lq32 Ld300": (256, 256, 32, 300, 128, True, False, [
-        (32, 4, 64, 4, 3, False, 2), (32, 8, 64, 8, 4, False, 1),
-    ]),
-    "fwd cross 128x128 Lq32 Ld300": (128, 128, 32, 300, 128, True, False, []),
+    "train-fwd cross 256x256 Lq32 Ld300": (256, 256, 32, 300, 128, True, True, [(32, 8, 64, 8, 2, False, 1)]),
     "fwd corpus 32x65536 Lq32 Ld256": (32, 65536, 32, 256, 128, True, False, []),
+    "train-fwd cross 32x32 Lq1024 Ld1024": (32, 32, 1024, 1024, 128, True, True, [
+        (128, 1, 64, 4, 3, True, 0), (64, 1, 64, 4, 3, True, 0), (64, 1, 32, 4, 3, True, 0),
+        (64, 1, 64, 4, 2, True, 0), (128, 1, 32, 8, 3, True, 0), (128, 1, 32, 4, 3, True, 2),
+        (64, 1, 64, 4, 3, True, 3),
+    ]),
     "ColPali 1x500 Lq1024 Ld1024": (1, 500, 1024, 1024, 128, True, False, [
-        (128, 1, 64, 4, 3, True, 1), (256, 1, 64, 8, 3, True, 1), (128, 1, 64, 4, 4, True, 2),
+        (64, 1, 64, 4, 3, True, 0), (64, 1, 64, 4, 3, True, 3),
     ]),
-    "train-fwd cross 32x32 Lq1024 Ld1024": (32, 32, 1024, 1024, 128, True, True, []),
-    "train-fwd cross 64x64 Lq32 Ld1024": (64, 64, 32, 1024, 128, True, True, []),
-    "fwd cross 1x1000 Lq32 Ld300": (1, 1000, 32, 300, 128, True, False, []),
-    "fwd cross 1x10000 Lq32 Ld300": (1, 10000, 32, 300, 128, True, False, []),
+    "cand 32x100 Lq32 Ld256": (32, 100, 32, 256, 128, False, False, [
+        (32, 1, 32, 4, 3, False, 2), (32, 1, 32, 4, 3, False, 4), (32, 1, 64, 4, 3, False, 4),
+        (32, 1, 32, 4, 4, False, 4),
+    ]),
+    "cand 32x50 Lq32 Ld180": (32, 50, 32, 180, 128, False, False, [
+        (32, 1, 32, 4, 3, False, 2), (32, 1, 32, 4, 3, False, 4), (32, 1, 64, 4, 3, False, 4),
+    ]),
+    "fwd cross 1x10000 Lq32 Ld300": (1, 10000, 32, 300, 128, True, False, [
+        (32, 1, 32, 4, 3, False, 4), (32, 1, 32, 4, 3, False, 2),
+    ]),
     "fwd cross 1x1000 Lq32 Ld1024 d48": (1, 1000, 32, 1024, 48, True, False, [
-        (32, 1, 128, 4, 4, False, 2), (32, 1, 128, 4, 5, False, 2), (32, 1, 256, 4, 3, False, 2),
-        (32, 1, 256, 8, 3, False, 1), (32, 1, 64, 4, 4, False, 2), (32, 1, 128, 4, 4, False, 0),
+        (32, 1, 128, 4, 3, False, 4), (32, 1, 128, 4, 3, False, 2),
     ]),
-    "train-fwd cross 64x64 Lq23 Ld333 d96": (64, 64, 23, 333, 96, True, True, []),
-    "fwd cross 7x1000 Lq23 Ld333 d96": (7, 1000, 23, 333, 96, True, False, []),
+    "train-fwd cand 256x16 Lq32 Ld300": (256, 16, 32, 300, 128, False, True, [
+        (32, 1, 32, 4, 3, False, 2), (32, 1, 32, 4, 3, False, 4),
+    ]),
+    "train-fwd cand 64x32 Lq32 Ld180": (64, 32, 32, 180, 128, False, True, [
+        (32, 1, 32, 4, 3, False, 2), (32, 1, 32, 4, 3, False, 4),
+    ]),
 }
 # fmt: on
 

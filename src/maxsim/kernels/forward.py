@@ -153,9 +153,10 @@ def maxsim_fwd_kernel(
     """Scores ``OUT [n_rsplit, Nq, K]`` and argmax ``ARG [Nq, K, Lq]``; a pair list runs as ``Nq = 1``, ``K`` =
     number of pairs, query and document of pair ``k`` read from ``PQ[k]``, ``PD[k]``.
 
-    ``PERSIST``: the program walks ``docs_per_prog`` consecutive dense shared documents (``rows_per_prog <= TQ``,
-    ``NUM_K == 1``) in one flattened tile loop: its queries are loaded once, and the tile pipeline runs on across
-    document boundaries instead of draining and refilling per document."""
+    ``PERSIST``: the program walks ``docs_per_prog`` consecutive dense documents of its batch row (shared ones, or
+    one query's candidates; ``rows_per_prog <= TQ``, ``NUM_K == 1``) in one flattened tile loop: its queries are
+    loaded once, and the tile pipeline runs on across document boundaries instead of draining and refilling per
+    document."""
     BLOCK_M: tl.constexpr = BQ * TQ
     pid = tl.program_id(0)
     # Query blocks, then row splits vary fastest, so programs that run together share a document through L2.
@@ -180,7 +181,7 @@ def maxsim_fwd_kernel(
     r_hi = tl.minimum(Lq, r_lo + rows_per_prog)
 
     if PERSIST:
-        # Dense shared documents: every document has Ld tokens and no bad segment.
+        # Dense documents: every document has Ld tokens and no bad segment.
         t = r_lo + r % TQ
         row_ok = q_in & (t < q_len) & (t < r_hi)
         if HAS_QMASK:
@@ -197,7 +198,8 @@ def maxsim_fwd_kernel(
             k = k_lo + it // n_tiles
             n0 = (it % n_tiles) * BLOCK_N
             m2, a2, any_valid = _scan_tile(
-                qt, q_rows, row_ok, D + k * sd_k, DM + k * sdm_k, n0, Ld, dim, sd_l, sdm_l, m2, a2, any_valid,
+                qt, q_rows, row_ok, D + b * sd_b + k * sd_k, DM + b * sdm_b + k * sdm_k, n0, Ld, dim, sd_l, sdm_l,
+                m2, a2, any_valid,
                 BLOCK_N, BLOCK_K, NUM_K, HAS_DMASK, NORMALIZE, SAVE_ARGMAX, DOT_PRECISION, UPCAST,
             )  # fmt: skip
             if n0 + BLOCK_N >= Ld:  # the document's last tile: its scores, then a fresh running max

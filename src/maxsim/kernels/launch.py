@@ -208,7 +208,7 @@ def forward(
     n_rsplit = triton_cdiv(Lq, cfg.TQ) if (cfg.BQ == 1 and cfg.SPLIT_ROWS) else 1
     rows_per_prog = cfg.TQ if n_rsplit > 1 else Lq
     docs_per_prog = 1
-    if cfg.persist and shared and sg.d_kind == DENSE and cfg.NUM_K == 1 and rows_per_prog <= cfg.TQ:
+    if cfg.persist and not sg.pairs and sg.d_kind == DENSE and cfg.NUM_K == 1 and rows_per_prog <= cfg.TQ:
         slots = _sm_count(Q.device) * cfg.persist
         docs_per_prog = _docs_per_program(n_qblocks * n_rsplit, K, slots, triton_cdiv(Ld, cfg.BLOCK_N))
     plan = _ForwardPlan(

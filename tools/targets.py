@@ -1,0 +1,74 @@
+"""Issue 5's performance targets, checked against a saved `maxsim bench` JSON (no GPU needed).
+
+Usage: python tools/targets.py benchmarks/results/h100.json [--markdown]
+
+For every maxsim row: the best peer (fastest other implementation that passed, eager and compile included), the
+ratio, the fraction of the roofline floor, and whether ``time <= max(best_peer / R, floor / E)`` holds, with
+R = 1.15, E = 0.85 for inference, R = 1.5, E = 0.70 for the compute-bound inference shapes and for training.
+Host-bound rows (tiny shapes) move between runs and machines; the table says what this one run measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+COMPUTE_BOUND = {"cross-32x65536-lq32-ld256", "cross-1x500-lq1024-ld1024", "cross-128x128-lq32-ld300"}
+OURS = ("maxsim", "maxsim-padded")
+
+
+def targets(doc: dict) -> list[dict]:
+    groups: dict[tuple, list[dict]] = {}
+    for r in doc["rows"]:
+        groups.setdefault((r["mode"], r["workload"]), []).append(r)
+    out = []
+    for (mode, name), rows in groups.items():
+        ours = next((r for r in rows if r["impl"] == "maxsim"), None)
+        if ours is None or ours["status"] != "ok":
+            continue
+        peers = [r for r in rows if r["impl"] not in OURS and r["status"] == "ok" and r["ms"]]
+        best = min(peers, key=lambda r: r["ms"], default=None)
+        R, E = (1.5, 0.70) if mode == "train" or name in COMPUTE_BOUND else (1.15, 0.85)
+        floor = ours.get("floor_ms")
+        bound = max(best["ms"] / R if best else 0.0, floor / E if floor else 0.0)
+        out.append({
+            "mode": mode, "workload": name, "ms": ours["ms"], "best_peer": best["impl"] if best else None,
+            "best_ms": best["ms"] if best else None, "ratio": best["ms"] / ours["ms"] if best else None,
+            "floor_frac": floor / ours["ms"] if floor else None, "R": R, "E": E, "bound_ms": bound,
+            "met": ours["ms"] <= bound,
+        })  # fmt: skip
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("json")
+    ap.add_argument("--markdown", action="store_true")
+    a = ap.parse_args()
+    doc = json.loads(Path(a.json).read_text())
+    rows = targets(doc)
+    head = ["mode", "workload", "maxsim ms", "best peer", "ratio", "% floor", "target ms (R, E)", "met"]
+    lines = []
+    for t in rows:
+        ratio = f"{t['ratio']:.2f}x" if t["ratio"] else "-"
+        frac = f"{100 * t['floor_frac']:.0f}%" if t["floor_frac"] else "-"
+        peer = f"{t['best_peer']} {t['best_ms']:.4g}" if t["best_peer"] else "-"
+        lines.append([t["mode"], t["workload"], f"{t['ms']:.4g}", peer, ratio, frac,
+                      f"{t['bound_ms']:.4g} ({t['R']}, {t['E']})", "yes" if t["met"] else "no"])  # fmt: skip
+    if a.markdown:
+        print("| " + " | ".join(head) + " |")
+        print("|" + "---|" * len(head))
+        for line in lines:
+            print("| " + " | ".join(line) + " |")
+    else:
+        widths = [max(len(x) for x in col) for col in zip(head, *lines, strict=True)]
+        for line in [head, *lines]:
+            print("  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)))
+    met = sum(t["met"] for t in rows)
+    print(f"\n{met} of {len(rows)} maxsim rows meet their target ({doc['meta'].get('device_name')}, "
+          f"commit {doc['meta'].get('git_commit')})")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
