@@ -524,6 +524,13 @@ def test_from_json_merges_runs_of_one_card(small_result, tmp_path, capsys):
     assert len(merged.rows) == len(small_result.rows) and merged.rows[0].ms == 123.0
     assert merged.meta["git_commit"] == "aaa+bbb" and len(merged.meta["parts"]) == 2
     assert "Run 2 of 2: commit bbb" in (out / "cpu.md").read_text()
+    # merging a merged report again keeps every run
+    report.write_outputs(report.Result(meta=dict(small_result.meta, git_commit="ccc"), rows=small_result.rows[:1]),
+                         tmp_path / "c0", log=lambda s: None)  # fmt: skip
+    assert main(["bench", "--from-json", str(out / "cpu.json"), str(tmp_path / "c0" / "cpu.json"), "--out",
+                 str(tmp_path / "again")]) == 0  # fmt: skip
+    again = report.load(tmp_path / "again" / "cpu.json")
+    assert again.meta["git_commit"] == "aaa+bbb+ccc" and len(again.meta["parts"]) == 3
     other = report.Result(meta=dict(small_result.meta, card="h100"), rows=small_result.rows)
     report.write_outputs(other, tmp_path / "c", log=lambda s: None)
     capsys.readouterr()

@@ -300,7 +300,8 @@ def markdown(result: Result) -> str:
     """Per mode, one table of median ms per implementation, with maxsim's speed-up and roofline fraction; ragged
     workloads in tables of their own, with the drawn lengths and maxsim's speed-up over ``maxsim-padded``."""
     m = result.meta
-    commit = (m.get("git_commit") or "unknown")[:12] + (" (dirty)" if m.get("git_dirty") else "")
+    commit = "+".join(c[:12] for c in (m.get("git_commit") or "unknown").split("+"))
+    commit += " (dirty)" if m.get("git_dirty") else ""
     out = [
         f"# maxsim bench — {m.get('card')}",
         "",
@@ -487,13 +488,11 @@ def merge(results: list[Result]) -> Result:
     for r in results:
         for row in r.rows:
             rows[(row.mode, row.workload, row.impl)] = row
+    keys = ("git_commit", "date", "argv", "copy_bandwidth_gbps", "matmul_tflops")
+    parts = [part for r in results for part in (r.meta.get("parts") or [{k: r.meta.get(k) for k in keys}])]
     meta = dict(first)
-    commits = list(dict.fromkeys(str(r.meta.get("git_commit")) for r in results))
-    meta["git_commit"] = "+".join(commits)
-    meta["parts"] = [
-        {k: r.meta.get(k) for k in ("git_commit", "date", "argv", "copy_bandwidth_gbps", "matmul_tflops")}
-        for r in results
-    ]
+    meta["git_commit"] = "+".join(dict.fromkeys(str(p.get("git_commit")) for p in parts))
+    meta["parts"] = parts
     return Result(meta=meta, rows=list(rows.values()))
 
 
