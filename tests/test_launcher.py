@@ -99,3 +99,60 @@ def test_hook_detection():
     assert not launcher._hooked(Chain([]))
     assert launcher._hooked(Chain([print]))
     assert launcher._hooked(print)
+
+
+def test_backward_plans_describe_every_call_exactly(monkeypatch):
+    """A cached backward plan launches exactly what a freshly built one would, whatever changed between calls that
+    the plan must follow (the upstream gradient's layout and dtype, flags, pair lists, the scan limit)."""
+    from maxsim.kernels import launch
+    from maxsim.layout import Ragged
+
+    calls: list = []
+
+    def record(self, grid, tensors, ints, constexprs, num_warps, num_stages=3):
+        calls.append((self.kernel.__name__, grid, tuple((t.shape, t.stride(), t.dtype) for t in tensors), ints,
+                      tuple(constexprs.items()), num_warps))  # fmt: skip
+
+    monkeypatch.setattr(launcher.Launcher, "__call__", record)
+    monkeypatch.setattr(launch, "INTERPRETER", False)
+    Q = torch.randn(4, 6, 16)
+    D = torch.randn(1, 5, 7, 16)
+    Dc = torch.randn(4, 3, 7, 16)
+    arg = torch.zeros(4, 5, 6, dtype=torch.int32)
+    argc = torch.zeros(4, 3, 6, dtype=torch.int32)
+    g = torch.randn(4, 5)
+    cu_q, cu_d = torch.tensor([0, 2, 6, 9]), torch.tensor([0, 3, 7, 12, 13])
+    Qp, Dp = torch.randn(9, 16), torch.randn(13, 16)
+    pq, pd = torch.tensor([0, 2, 1, 2]), torch.tensor([3, 1, 1, 0])
+    rg = Ragged(cu_q, cu_d, pq, pd, 4, 5)
+    argp = torch.zeros(1, 4, 4, dtype=torch.int32)
+    cases = [
+        (g, Q, D, arg, False, False, None),
+        (torch.ones(()).expand(4, 5), Q, D, arg, False, False, None),  # a .sum() loss: stride 0
+        (torch.randn(5, 4).t(), Q, D, arg, False, False, None),  # transposed: made contiguous
+        (g.double(), Q, D, arg, False, False, None),
+        (g, Q, D, arg, True, False, None),
+        (g, Q, D, arg, False, True, None),
+        (torch.randn(4, 3), Q, Dc, argc, False, False, None),
+        (torch.randn(1, 4), Qp, Dp, argp, False, False, rg),
+        (torch.randn(1, 4), Qp, Dp, argp, False, True, rg),
+    ]
+    limits = (launch.PAIR_SCAN_MAX_WORK, 0)
+    fresh = {}
+    for limit in limits:
+        monkeypatch.setattr(launch, "PAIR_SCAN_MAX_WORK", limit)
+        for i, case in enumerate(cases):
+            calls.clear()
+            launch._bplans.clear()
+            launch.backward(*case)
+            fresh[limit, i] = list(calls)
+    assert fresh[limits[0], 7] != fresh[0, 7]  # the pair list really takes another path without the scan
+    launch._bplans.clear()
+    for _ in range(2):  # every case after every other, on plans cached along the way
+        for limit in limits:
+            monkeypatch.setattr(launch, "PAIR_SCAN_MAX_WORK", limit)
+            for i, case in enumerate(cases):
+                calls.clear()
+                launch.backward(*case)
+                assert calls == fresh[limit, i], (limit, i)
+    assert len(launch._bplans) < 2 * len(cases)  # plans were shared where the keys agree

@@ -280,6 +280,106 @@ def csr(ids: Tensor, n: int) -> tuple[Tensor, Tensor]:
     return torch.searchsorted(ids_sorted, bounds), order
 
 
+class _BackwardPlan(NamedTuple):
+    """Everything a backward needs that depends only on shapes, strides, dtypes and flags: which kernels run, their
+    grids, integer arguments and constexprs (the tensors are filled in per call)."""
+
+    grad_contiguous: bool  # the fp32 upstream gradient must be made contiguous first
+    dq_scatter: bool  # dQ by atomics into a zeroed fp32 buffer (a long pair list) instead of the gather
+    dq_dtype: torch.dtype
+    q_csr: bool  # the dQ gather walks a CSR index of the pairs by query
+    n_queries: int
+    dq: tuple  # (grid, ints, constexprs) of the dQ launch
+    dd_owned: bool  # dD by the owner kernel (else atomics into a zeroed fp32 buffer)
+    dd_dtype: torch.dtype
+    d_csr: bool
+    n_docs: int
+    dd: tuple
+    direct_d: bool  # dD comes out in D's dtype without a cast
+    num_warps: int
+
+
+_bplans: dict[tuple, _BackwardPlan] = {}
+
+
+def _backward_plan(
+    grad: Tensor, Q: Tensor, D: Tensor, normalize: bool, deterministic: bool, rg: Ragged | None, sg: _Segs
+) -> _BackwardPlan:
+    Nq, Lq, Bd, K, Ld, dim = dims(Q, D, rg)
+    shared = Bd == 1 and not sg.pairs
+    cfg = backward_config(Lq, dim)
+    grad_contiguous = grad.stride(0) != grad.stride(1) * grad.shape[1]  # kernels read grad at (q*K + k) * stride
+    grad_stride = 1 if grad_contiguous else grad.stride(1)
+    n_queries = sg.n_q if sg.q_kind == OFFSETS else Q.shape[0]
+    n_docs = sg.n_d if sg.d_kind == OFFSETS else K
+    seg_args = (sg.n_q, sg.rows_q, sg.n_d, sg.rows_d)
+    seg_strides = (sg.sqs, sg.sds_b, sg.sds_k, grad_stride)
+    kinds = dict(Q_KIND=sg.q_kind, D_KIND=sg.d_kind)
+    n_tb = triton_cdiv(Lq, cfg.BT)
+    n_pairs = Nq * K  # the [Nq, K] score grid (a pair list: [1, P])
+    q_fresh = _q_strides(torch.empty(Q.shape, device="meta"))  # a fresh contiguous gradient's strides
+    d_fresh = _d_strides(torch.empty(D.shape, device="meta"), False)
+
+    def scatter(to_q: bool, q_strides: tuple, d_strides: tuple) -> tuple:
+        return (
+            n_pairs * n_tb,
+            (Nq, K, Lq, Ld, dim, *seg_args, *q_strides, *d_strides, *seg_strides, n_tb),
+            dict(BT=cfg.BT, DIM_P=cfg.DIM_P, **kinds, PAIR_LIST=sg.pairs, SHARED_DOCS=shared, TO_Q=to_q,
+                 NORMALIZE=normalize),
+        )  # fmt: skip
+
+    # A short pair list is scanned by each program instead of indexed (see backward.py): fewer launches.
+    scan_q = sg.pairs and n_queries * n_tb * n_pairs <= PAIR_SCAN_MAX_WORK
+    # A long pair list's queries recur in any order: atomics into an fp32 buffer, one program per (pair, token
+    # block). Walking each query's pairs instead is a chain of dependent index loads per step (latency-bound).
+    # Otherwise dQ is a gather, one program per (query, token block), summing over its pairs in order
+    # (deterministic), written straight in Q's dtype (fp32 when a normalize projection follows); splitting the pairs
+    # over more programs would need a partial-sum buffer of another dtype, i.e. a second variant compiled at a
+    # data-dependent moment, which the launch table rules out.
+    dq_scatter = sg.pairs and not deterministic and not scan_q
+    if dq_scatter:
+        dq = scatter(True, q_fresh, _d_strides(D, shared))
+    else:
+        dq = (
+            n_queries * n_tb,
+            (n_queries, K, Lq, Ld, dim, *seg_args, *_d_strides(D, shared), *q_fresh, *seg_strides, n_tb),
+            dict(BT=cfg.BT, DIM_P=cfg.DIM_P, **kinds, PAIR_LIST=sg.pairs, SHARED_DOCS=shared, NORMALIZE=normalize,
+                 PAIR_SCAN=scan_q),
+        )  # fmt: skip
+
+    # dD: documents scored by one query each (candidates) and pair lists take the owner kernel, which is then also
+    # the fastest (no zeroed fp32 buffer, no atomics, no cast); the cross product uses atomics unless asked not to.
+    dd_owned = deterministic or not shared
+    scan_d = False
+    if dd_owned:
+        direct_d = not normalize
+        n_jb = triton_cdiv(Ld, cfg.BN)
+        n_kb = triton_cdiv(dim, cfg.BLOCK_K)
+        n_owned = n_docs if sg.d_kind == OFFSETS else Bd * K
+        scan_d = sg.pairs and n_owned * n_jb * n_kb * n_pairs <= PAIR_SCAN_MAX_WORK
+        dd = (
+            n_owned * n_jb * n_kb,
+            (
+                Nq, n_docs if sg.pairs else K, n_pairs, Lq, Ld, dim, *seg_args,
+                *_q_strides(Q), *d_fresh, *seg_strides, n_jb, n_kb,
+            ),
+            dict(
+                TQ=cfg.TQ, BN=cfg.BN, BLOCK_K=cfg.BLOCK_K, **kinds, PAIR_LIST=sg.pairs, SHARED_DOCS=shared,
+                NORMALIZE=normalize, DOT_PRECISION=_dot_precision(Q.dtype), UPCAST=_upcast(Q.dtype),
+                PAIR_SCAN=scan_d,
+            ),
+        )  # fmt: skip
+    else:
+        direct_d = not normalize and D.dtype == torch.float32
+        dd = scatter(False, _q_strides(Q), _d_strides(torch.empty(D.shape, device="meta"), shared))
+    return _BackwardPlan(
+        grad_contiguous, dq_scatter, torch.float32 if (normalize or dq_scatter) else Q.dtype,
+        sg.pairs and not scan_q and not dq_scatter, n_queries, dq,
+        dd_owned, D.dtype if (dd_owned and direct_d) else torch.float32, sg.pairs and dd_owned and not scan_d,
+        n_docs, dd, direct_d and not normalize, cfg.num_warps,
+    )  # fmt: skip
+
+
 def backward(
     grad: Tensor,
     Q: Tensor,
@@ -289,108 +389,56 @@ def backward(
     deterministic: bool,
     rg: Ragged | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``(dQ like Q, dD like D)`` from the saved argmax; ``deterministic`` forbids atomics (bitwise reproducible)."""
+    """``(dQ like Q, dD like D)`` from the saved argmax; ``deterministic`` forbids atomics (bitwise reproducible).
+
+    Calls reuse a plan keyed by shapes, strides, dtypes and flags (never values), like the forward."""
     Nq, Lq, Bd, K, Ld, dim = dims(Q, D, rg)
     if Nq == 0 or K == 0 or Lq == 0 or Ld == 0:
         return torch.zeros_like(Q), torch.zeros_like(D)
     Q, D = _last_dim_contiguous(Q), _last_dim_contiguous(D)
+    if grad.dtype != torch.float32:
+        grad = grad.to(torch.float32)
     sg = _segs(Q, D, rg)
-    shared = Bd == 1 and not sg.pairs
-    grad = grad.to(torch.float32)
-    if grad.stride(0) != grad.stride(1) * grad.shape[1]:
-        grad = grad.contiguous()  # the kernels read grad[q, k] at (q * K + k) * grad_stride
-    grad_stride = grad.stride(1)
-    cfg = backward_config(Lq, dim)
+    key = (
+        Q.device, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype, grad.shape, grad.stride(),
+        normalize, deterministic, torch.get_float32_matmul_precision(), _ragged_key(rg), PAIR_SCAN_MAX_WORK,
+    )  # fmt: skip
+    plan = _bplans.get(key)
+    if plan is None:
+        plan = _backward_plan(grad, Q, D, normalize, deterministic, rg, sg)
+        if len(_bplans) >= _MAX_PLANS:
+            _bplans.clear()
+        _bplans[key] = plan
+    if plan.grad_contiguous:
+        grad = grad.contiguous()
     if normalize:
         norm_q, inv_q = _inverse_norms(Q)
         norm_d, inv_d = _inverse_norms(D)
     else:
         inv_q = inv_d = grad  # unused pointers
-    n_queries = sg.n_q if sg.q_kind == OFFSETS else Q.shape[0]
-    n_docs = sg.n_d if sg.d_kind == OFFSETS else K
-    seg_args = (sg.n_q, sg.rows_q, sg.n_d, sg.rows_d)
-    seg_strides = (sg.sqs, sg.sds_b, sg.sds_k, grad_stride)
-    kinds = dict(Q_KIND=sg.q_kind, D_KIND=sg.d_kind)
+    segs = (sg.qseg, sg.dseg, sg.pq, sg.pd)
+    nw = plan.num_warps
 
-    n_tb = triton_cdiv(Lq, cfg.BT)
-    n_pairs = Nq * K  # the [Nq, K] score grid (a pair list: [1, P])
-
-    def scatter(to_q: bool, qt: Tensor, dt: Tensor, inv: Tensor) -> None:
-        _bwd_scatter(
-            n_pairs * n_tb,
-            (grad, argmax, qt, dt, inv, sg.qseg, sg.dseg, sg.pq, sg.pd),
-            (Nq, K, Lq, Ld, dim, *seg_args, *_q_strides(qt), *_d_strides(dt, shared), *seg_strides, n_tb),
-            dict(BT=cfg.BT, DIM_P=cfg.DIM_P, **kinds, PAIR_LIST=sg.pairs, SHARED_DOCS=shared, TO_Q=to_q,
-                 NORMALIZE=normalize),
-            cfg.num_warps,
-        )  # fmt: skip
-
-    # A short pair list is scanned by each program instead of indexed (see backward.py): fewer launches.
-    scan_q = sg.pairs and n_queries * n_tb * n_pairs <= PAIR_SCAN_MAX_WORK
-    if sg.pairs and not deterministic and not scan_q:
-        # A pair list's queries recur in any order: atomics into an fp32 buffer, one program per (pair, token
-        # block). Walking each query's pairs instead is a chain of dependent index loads per step (latency-bound).
+    grid, ints, constexprs = plan.dq
+    if plan.dq_scatter:
         dQ = torch.zeros(Q.shape, dtype=torch.float32, device=Q.device)
-        scatter(True, dQ, D, inv_d)
+        _bwd_scatter(grid, (grad, argmax, dQ, D, inv_d, *segs), ints, constexprs, nw)
     else:
-        # dQ: gather, one program per (query, token block), summing over its pairs in order (deterministic).
-        # It is written straight in Q's dtype (fp32 when a normalize projection follows); splitting the pairs over
-        # more programs would need a partial-sum buffer of another dtype, i.e. a second variant compiled at a
-        # data-dependent moment, which the launch table rules out.
-        dQ = torch.empty(Q.shape, dtype=torch.float32 if normalize else Q.dtype, device=Q.device)
-        if sg.pairs and not scan_q:
-            q_off, q_order = csr(rg.pair_q, n_queries)
-        else:
-            q_off = q_order = grad  # unused pointers
-        _bwd_dq(
-            n_queries * n_tb,
-            (grad, argmax, D, inv_d, dQ, sg.qseg, sg.dseg, sg.pq, sg.pd, q_off, q_order),
-            (
-                n_queries, K, Lq, Ld, dim, *seg_args,
-                *_d_strides(D, shared), *_q_strides(dQ), *seg_strides, n_tb,
-            ),
-            dict(
-                BT=cfg.BT, DIM_P=cfg.DIM_P, **kinds, PAIR_LIST=sg.pairs, SHARED_DOCS=shared, NORMALIZE=normalize,
-                PAIR_SCAN=scan_q,
-            ),
-            cfg.num_warps,
-        )  # fmt: skip
+        dQ = torch.empty(Q.shape, dtype=plan.dq_dtype, device=Q.device)
+        q_off, q_order = csr(rg.pair_q, plan.n_queries) if plan.q_csr else (grad, grad)  # (else unused)
+        _bwd_dq(grid, (grad, argmax, D, inv_d, dQ, *segs, q_off, q_order), ints, constexprs, nw)
 
-    # dD: documents scored by one query each (candidates) and pair lists take the owner kernel, which is then also
-    # the fastest (no zeroed fp32 buffer, no atomics, no cast); the cross product uses atomics unless asked not to.
-    if deterministic or not shared:
-        direct_d = not normalize
-        gd = torch.empty(D.shape, dtype=D.dtype if direct_d else torch.float32, device=D.device)
-        n_jb = triton_cdiv(Ld, cfg.BN)
-        n_kb = triton_cdiv(dim, cfg.BLOCK_K)
-        n_owned = n_docs if sg.d_kind == OFFSETS else Bd * K
-        scan_d = sg.pairs and n_owned * n_jb * n_kb * n_pairs <= PAIR_SCAN_MAX_WORK
-        if sg.pairs and not scan_d:
-            d_off, d_order = csr(rg.pair_d, n_docs)
-        else:
-            d_off = d_order = grad  # unused pointers
-        _bwd_dd_owned(
-            n_owned * n_jb * n_kb,
-            (grad, argmax, Q, inv_q, gd, sg.qseg, sg.dseg, sg.pq, sg.pd, d_off, d_order),
-            (
-                Nq, n_docs if sg.pairs else K, n_pairs, Lq, Ld, dim, *seg_args,
-                *_q_strides(Q), *_d_strides(gd, False), *seg_strides, n_jb, n_kb,
-            ),
-            dict(
-                TQ=cfg.TQ, BN=cfg.BN, BLOCK_K=cfg.BLOCK_K, **kinds, PAIR_LIST=sg.pairs, SHARED_DOCS=shared,
-                NORMALIZE=normalize, DOT_PRECISION=_dot_precision(Q.dtype), UPCAST=_upcast(Q.dtype),
-                PAIR_SCAN=scan_d,
-            ),
-            cfg.num_warps,
-        )  # fmt: skip
+    grid, ints, constexprs = plan.dd
+    if plan.dd_owned:
+        gd = torch.empty(D.shape, dtype=plan.dd_dtype, device=D.device)
+        d_off, d_order = csr(rg.pair_d, plan.n_docs) if plan.d_csr else (grad, grad)  # (else unused)
+        _bwd_dd_owned(grid, (grad, argmax, Q, inv_q, gd, *segs, d_off, d_order), ints, constexprs, nw)
     else:
-        direct_d = not normalize and D.dtype == torch.float32
         gd = torch.zeros(D.shape, dtype=torch.float32, device=D.device)
-        scatter(False, Q, gd, inv_q)
+        _bwd_scatter(grid, (grad, argmax, Q, gd, inv_q, *segs), ints, constexprs, nw)
 
     if normalize:
         dQ = project_normalized_grad(dQ, Q.float() * inv_q[..., None], norm_q)
         gd = project_normalized_grad(gd, D.float() * inv_d[..., None], norm_d)
-        direct_d = False
-    dD = gd if direct_d else gd.to(D.dtype)
-    return dQ.to(Q.dtype), dD
+    dD = gd if plan.direct_d else gd.to(D.dtype)
+    return (dQ if dQ.dtype == Q.dtype else dQ.to(Q.dtype)), dD
