@@ -17,6 +17,7 @@ import dataclasses
 import json
 
 import torch
+from probe_common import TRAIN_CROSS_SHAPES  # tools/ is on sys.path when this runs as a script
 from triton.testing import do_bench
 
 from maxsim.kernels import launch
@@ -146,13 +147,7 @@ def backward_table() -> dict:
     from maxsim.kernels.configs import backward_config
 
     res = {}
-    for name, (Nq, Nd, Lq, Ld, dim) in {
-        "cross 32x32 Lq32 Ld80": (32, 32, 32, 80, 128),
-        "cross 64x64 Lq32 Ld128": (64, 64, 32, 128, 128),
-        "cross 64x64 Lq23 Ld333 d96": (64, 64, 23, 333, 96),
-        "cross 256x256 Lq32 Ld300": (256, 256, 32, 300, 128),
-        "cross 64x64 Lq32 Ld1024": (64, 64, 32, 1024, 128),
-    }.items():
+    for name, (Nq, Nd, Lq, Ld, dim) in TRAIN_CROSS_SHAPES.items():
         Q = torch.randn(Nq, Lq, dim, device="cuda", dtype=torch.bfloat16)
         D = torch.randn(1, Nd, Ld, dim, device="cuda", dtype=torch.bfloat16)
         s, arg = launch.forward(Q, D, None, None, False, True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 
 import torch
+from probe_common import kernel_table  # tools/ is on sys.path when this runs as a script
 from triton.testing import do_bench
 
 import maxsim
@@ -94,16 +95,7 @@ def race(label: str, ours, ref, ours_inputs: tuple, ref_inputs: tuple, to_ours=N
 def profile(label: str, steps: dict) -> None:
     """Where a training step spends its time, kernel by kernel (GPU) and op by op (host)."""
     for name, step in steps.items():
-        for _ in range(5):
-            step()
-        torch.cuda.synchronize()
-        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with torch.profiler.profile(activities=activities) as prof:
-            for _ in range(10):
-                step()
-            torch.cuda.synchronize()
-        print(f"profile of 10 training steps, {label}, {name}:")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+        kernel_table(f"{label}, {name}", step, host=True, rows=14)
 
 
 def speed() -> None:

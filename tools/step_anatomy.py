@@ -13,6 +13,7 @@ import json
 
 import torch
 from host_profile import host_us
+from probe_common import TRAIN_CROSS_SHAPES, kernel_table
 from triton.testing import do_bench
 
 import maxsim
@@ -53,28 +54,9 @@ def pieces(label: str, fwd, Q: torch.Tensor, D: torch.Tensor, rg: Ragged | None)
     return out
 
 
-def kernel_table(label: str, step) -> None:
-    """GPU time per kernel over 10 steps (torch.profiler)."""
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            step()
-        torch.cuda.synchronize()
-    print(f"GPU time of 10 training steps, {label}:")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=50))
-
-
 def large_steps() -> None:
     dt = torch.bfloat16
-    for label, (nq, nd, lq, ld, dim) in {
-        "cross 256x256 Lq32 Ld300": (256, 256, 32, 300, 128),
-        "cross 64x64 Lq32 Ld1024": (64, 64, 32, 1024, 128),
-        "cross 32x32 Lq1024 Ld1024": (32, 32, 1024, 1024, 128),
-        "cross 64x64 Lq23 Ld333 dim 96 (off-matrix)": (64, 64, 23, 333, 96),
-        "cross 64x64 Lq32 Ld128": (64, 64, 32, 128, 128),
-    }.items():
+    for label, (nq, nd, lq, ld, dim) in TRAIN_CROSS_SHAPES.items():
         Q = torch.randn(nq, lq, dim, device="cuda", dtype=dt, requires_grad=True)
         D = torch.randn(nd, ld, dim, device="cuda", dtype=dt, requires_grad=True)
         w = torch.randn(nq, nd, device="cuda")

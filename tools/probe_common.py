@@ -1,0 +1,35 @@
+"""What the GPU probing tools share: the cross-product training shapes they look at, and a per-kernel profile."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+#: name: (Nq, Nd, Lq, Ld, dim) of the cross-product training steps the tools break down (design.md §7's large steps,
+#: the small contrastive ones, and issue 5's off-matrix shape).
+TRAIN_CROSS_SHAPES = {
+    "cross 32x32 Lq32 Ld80": (32, 32, 32, 80, 128),
+    "cross 64x64 Lq32 Ld128": (64, 64, 32, 128, 128),
+    "cross 256x256 Lq32 Ld300": (256, 256, 32, 300, 128),
+    "cross 64x64 Lq32 Ld1024": (64, 64, 32, 1024, 128),
+    "cross 32x32 Lq1024 Ld1024": (32, 32, 1024, 1024, 128),
+    "cross 64x64 Lq23 Ld333 d96 (off-matrix)": (64, 64, 23, 333, 96),
+}
+
+
+def kernel_table(label: str, step: Callable[[], object], host: bool = False, rows: int = 8) -> None:
+    """Time per kernel over 10 calls of ``step`` after 5 warm-up calls (torch.profiler); ``host`` adds the host
+    ops."""
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    if host:
+        activities.insert(0, torch.profiler.ProfilerActivity.CPU)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(10):
+            step()
+        torch.cuda.synchronize()
+    print(f"profile of 10 calls, {label}:")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60))
