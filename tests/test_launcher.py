@@ -75,6 +75,33 @@ def test_anything_triton_specializes_on_goes_back_through_triton(fake_gpu, chang
     assert [e[0] for e in k.log] == ["triton", "triton"]
 
 
+def test_plan_cache_launches_directly_and_follows_alignment(fake_gpu):
+    """A caller's plan cache (fixed integers, constexprs and dtypes) is keyed by the tensors' alignments: the second
+    launch is direct, a misaligned tensor goes back through Triton (its own variant), then is direct too."""
+    k = FakeKernel()
+    lc = launcher.Launcher(k)
+    cache: dict = {}
+    x = torch.zeros(32)
+    for t in (x, x, x[1:], x[1:], x):
+        lc(3, (t,), (16,), {"BLOCK": 32}, 4, 3, cache)
+    assert [e[0] for e in k.log] == ["triton", "direct", "triton", "direct", "direct"]
+    assert len(cache) == 2
+    # a fresh plan cache on a known signature: direct at once (the launcher's own table)
+    lc(3, (x,), (16,), {"BLOCK": 32}, 4, 3, {})
+    assert k.log[-1][0] == "direct"
+
+
+def test_plans_tell_index_dtypes_apart():
+    """Plans key on the dtypes of offsets and pair ids (a plan's launches reuse its kernel variant)."""
+    from maxsim.kernels.launch import _ragged_key
+    from maxsim.layout import Ragged
+
+    cu = torch.tensor([0, 2, 5])
+    p32, p64 = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 1])
+    assert _ragged_key(Ragged(cu, cu, p32, p32, 3, 3)) != _ragged_key(Ragged(cu, cu, p32, p64, 3, 3))
+    assert _ragged_key(Ragged(cu.int(), cu, None, None, 3, 3)) != _ragged_key(Ragged(cu, cu, None, None, 3, 3))
+
+
 def test_installed_hook_always_takes_tritons_path(fake_gpu, monkeypatch):
     from triton import knobs
 
@@ -109,7 +136,7 @@ def test_backward_plans_describe_every_call_exactly(monkeypatch):
 
     calls: list = []
 
-    def record(self, grid, tensors, ints, constexprs, num_warps, num_stages=3):
+    def record(self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None):
         calls.append((self.kernel.__name__, grid, tuple((t.shape, t.stride(), t.dtype) for t in tensors), ints,
                       tuple(constexprs.items()), num_warps))  # fmt: skip
 

@@ -41,7 +41,7 @@ def front_end(src: ASTSource, options: dict) -> None:
     src.make_ir(TARGET, opts, backend.get_codegen_implementation(opts), backend.get_module_map(), context)
 
 
-def fake_call(self, grid, tensors, ints, constexprs, num_warps, num_stages=3):
+def fake_call(self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None):
     kernel = self.kernel
     names = kernel.arg_names
     sig = {}

@@ -156,7 +156,7 @@ def backward_table() -> dict:
         row = {}
         ref = None
         for bt in sorted({base.BT, max(16, base.BT // 2)}):
-            L.backward_config = lambda lq, d, bt=bt: dataclasses.replace(base, BT=bt)
+            L.backward_config = lambda lq, d, candidates=False, bt=bt: dataclasses.replace(base, BT=bt)
             L._bplans.clear()  # backward plans hold the configuration they were built with
             try:
                 out = launch.backward(g, Q, D, arg, False, False)

@@ -20,10 +20,11 @@ def _deterministic(mode: str) -> bool:
     return mode == "deterministic"
 
 
-def _run(Q: Tensor, D: Tensor, q_mask, d_mask, normalize: bool, backward: str, return_argmax: bool = False):
-    """Canonical ``Q [Nq, Lq, dim]``, ``D [Bd, K, Ld, dim]`` -> ``[Nq, K]`` (and argmax ``[Nq, K, Lq]``)."""
-    impl = choose_impl(Q)
-    return ops.maxsim_canonical(Q, D, q_mask, d_mask, normalize, impl, _deterministic(backward), None, return_argmax)
+def _run(Q: Tensor, D: Tensor, canonical: tuple, normalize: bool, backward: str, return_argmax: bool):
+    """The caller's ``Q``, ``D`` and the :func:`canonical_dense` description of them -> scores (and argmax)."""
+    views, q_mask, d_mask = canonical
+    impl, det = choose_impl(Q), _deterministic(backward)
+    return ops.maxsim_canonical(Q, D, q_mask, d_mask, normalize, impl, det, None, return_argmax, views)
 
 
 def maxsim(
@@ -77,16 +78,7 @@ def maxsim(
     q_mask = validate.mask("q_mask", q_mask, Q.shape[:-1], Q.device)
     d_mask = validate.mask("d_mask", d_mask, D.shape[:-1], Q.device)
     validate.flag("return_argmax", return_argmax)
-    Qc, Dc, qm, dm, squeeze_q, squeeze_d = canonical_dense(Q, D, q_mask, d_mask)
-    out = _run(Qc, Dc, qm, dm, normalize, backward, return_argmax)
-    scores, argmax = out if return_argmax else (out, None)
-    if squeeze_d:
-        scores = scores[:, 0]
-        argmax = None if argmax is None else argmax[:, 0]
-    if squeeze_q:
-        scores = scores[0]
-        argmax = None if argmax is None else argmax[0]
-    return (scores, argmax) if return_argmax else scores
+    return _run(Q, D, canonical_dense(Q, D, q_mask, d_mask), normalize, backward, return_argmax)
 
 
 def maxsim_with_argmax(
@@ -129,8 +121,4 @@ def maxsim_pairs(
     q_mask = validate.mask("q_mask", q_mask, Q.shape[:-1], Q.device)
     d_mask = validate.mask("d_mask", d_mask, D.shape[:-1], Q.device)
     validate.flag("return_argmax", return_argmax)
-    Qc, Dc, qm, dm = canonical_pairs(Q, D, q_mask, d_mask)
-    out = _run(Qc, Dc, qm, dm, normalize, backward, return_argmax)
-    if return_argmax:
-        return out[0][:, 0], out[1][:, 0]
-    return out[:, 0]
+    return _run(Q, D, canonical_pairs(Q, D, q_mask, d_mask), normalize, backward, return_argmax)

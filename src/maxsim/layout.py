@@ -25,33 +25,50 @@ def accum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+class Views(NamedTuple):
+    """How a caller's ``Q`` and ``D`` are seen in canonical form: the unit axes to insert into each (in order) to get
+    ``[Nq, Lq, dim]`` and ``[Bd, K, Ld, dim]``, and the shape the ``[Nq, K]`` result is viewed as, without the axes
+    the caller did not have (None: unchanged). Only what changes is touched: a view costs ~2 µs of host time."""
+
+    q: tuple[int, ...]
+    d: tuple[int, ...]
+    out: tuple[int, ...] | None
+
+
 def canonical_dense(
     Q: Tensor, D: Tensor, q_mask: Tensor | None, d_mask: Tensor | None
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, bool, bool]:
-    """Views of validated :func:`maxsim.maxsim` arguments in canonical form.
+) -> tuple[Views, Tensor | None, Tensor | None]:
+    """:func:`maxsim.maxsim`'s arguments (a 2-D ``Q [Lq, dim]`` is one query, a 2-D ``D [Ld, dim]`` one document,
+    a 3-D ``D [Nd, Ld, dim]`` shared documents, a 4-D one per-query candidates): their views, and the masks as
+    canonical ``[Nq, Lq]`` / ``[Bd, K, Ld]`` views."""
+    squeeze_q, squeeze_d = Q.dim() == 2, D.dim() == 2
+    if squeeze_q or squeeze_d:
+        out = (() if squeeze_q else (Q.shape[0],)) + (() if squeeze_d else (D.shape[-3],))
+        views = Views((0,) if squeeze_q else (), (0,) * (4 - D.dim()), out)
+    else:
+        views = _CROSS if D.dim() == 3 else _CANDIDATES  # (no per-call construction on the common paths)
+    if q_mask is not None and squeeze_q:
+        q_mask = q_mask[None]
+    if d_mask is not None and views.d:
+        d_mask = d_mask.view((1,) * len(views.d) + tuple(d_mask.shape))
+    return views, q_mask, d_mask
 
-    Returns ``(Q [Nq, Lq, dim], D [Bd, K, Ld, dim], q_mask [Nq, Lq] | None, d_mask [Bd, K, Ld] | None, squeeze_q,
-    squeeze_d)``; the two flags say which axes of the ``[Nq, K]`` result to drop.
-    """
-    squeeze_q = Q.dim() == 2
-    squeeze_d = D.dim() == 2
-    if squeeze_q:
-        Q = Q.unsqueeze(0)
-        q_mask = None if q_mask is None else q_mask.unsqueeze(0)
-    if squeeze_d:
-        D = D.unsqueeze(0)
-        d_mask = None if d_mask is None else d_mask.unsqueeze(0)
-    if D.dim() == 3:
-        D = D.unsqueeze(0)
-        d_mask = None if d_mask is None else d_mask.unsqueeze(0)
-    return Q, D, q_mask, d_mask, squeeze_q, squeeze_d
+
+_CROSS = Views((), (0,), None)
+_CANDIDATES = Views((), (), None)
 
 
 def canonical_pairs(
     Q: Tensor, D: Tensor, q_mask: Tensor | None, d_mask: Tensor | None
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
-    """``Q [B, Lq, dim]``, ``D [B, Ld, dim]`` as candidates with ``K = 1``."""
-    return Q, D.unsqueeze(1), q_mask, None if d_mask is None else d_mask.unsqueeze(1)
+) -> tuple[Views, Tensor | None, Tensor | None]:
+    """``Q [B, Lq, dim]``, ``D [B, Ld, dim]`` as candidates with ``K = 1``; the result is ``[B]``."""
+    return Views((), (1,), (Q.shape[0],)), q_mask, None if d_mask is None else d_mask.unsqueeze(1)
+
+
+def view_as_canonical(x: Tensor, axes: tuple[int, ...]) -> Tensor:
+    for a in axes:
+        x = x.unsqueeze(a)
+    return x
 
 
 class Ragged(NamedTuple):

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from . import cpu, cpu_ragged
-from .layout import Ragged, accum_dtype, dims
+from .layout import Ragged, Views, accum_dtype, dims, view_as_canonical
 
 _launch = None
 
@@ -178,28 +178,43 @@ class _MaxSimFunction(torch.autograd.Function):
     """Eager twin of ``maxsim::forward`` + its registered autograd (same implementation functions)."""
 
     @staticmethod
-    def forward(ctx, Q, D, q_mask, d_mask, normalize, impl, deterministic, rg):
+    def forward(ctx, Q, D, q_mask, d_mask, normalize, impl, deterministic, rg, views):
+        ctx.shapes = (Q.shape, D.shape)
+        if views is not None:
+            Q, D = _in_views(Q, D, views)
         scores, argmax = forward_impl(Q, D, q_mask, d_mask, normalize, True, impl, rg)
         ctx.save_for_backward(Q, D, argmax)
-        ctx.normalize, ctx.impl, ctx.deterministic, ctx.rg = normalize, impl, deterministic, rg
+        ctx.normalize, ctx.impl, ctx.deterministic, ctx.rg, ctx.grid = normalize, impl, deterministic, rg, scores.shape
+        ctx.views = views
         # No zero-filled gradient for the (non-differentiable) argmax output: one allocation and fill fewer per step.
         ctx.set_materialize_grads(False)
-        if rg is not None and rg.pair_q is not None:
-            # A pair list's [1, P] grid leaves as [P] here rather than through a view after the call: one autograd
-            # node fewer per step (host time is what a small pair-list step is made of).
-            scores, argmax = scores.view(-1), argmax.view(argmax.shape[1:])
+        if views is not None:
+            scores, argmax = _out_views(scores, argmax, views)
         ctx.mark_non_differentiable(argmax)
         return scores, argmax
 
     @staticmethod
     def backward(ctx, grad_scores, _grad_argmax):
         if grad_scores is None:
-            return (None,) * 8
-        if grad_scores.dim() == 1:  # a pair list's [P] scores (see forward)
-            grad_scores = grad_scores.view(1, -1)
+            return (None,) * 9
         Q, D, argmax = ctx.saved_tensors
-        dQ, dD = backward_impl(grad_scores, Q, D, argmax, ctx.normalize, ctx.deterministic, ctx.impl, ctx.rg)
-        return dQ, dD, None, None, None, None, None, None
+        grad = grad_scores if ctx.views is None or ctx.views.out is None else grad_scores.view(ctx.grid)
+        dQ, dD = backward_impl(grad, Q, D, argmax, ctx.normalize, ctx.deterministic, ctx.impl, ctx.rg)
+        if ctx.views is not None:
+            q_shape, d_shape = ctx.shapes
+            dQ = dQ.view(q_shape) if ctx.views.q else dQ
+            dD = dD.view(d_shape) if ctx.views.d else dD
+        return dQ, dD, None, None, None, None, None, None, None
+
+
+def _in_views(Q: Tensor, D: Tensor, views: Views) -> tuple[Tensor, Tensor]:
+    return view_as_canonical(Q, views.q), view_as_canonical(D, views.d)
+
+
+def _out_views(scores: Tensor, argmax: Tensor | None, views: Views) -> tuple[Tensor, Tensor | None]:
+    if views.out is None:
+        return scores, argmax
+    return scores.view(views.out), None if argmax is None else argmax.view(*views.out, argmax.shape[-1])
 
 
 def maxsim_canonical(
@@ -212,16 +227,25 @@ def maxsim_canonical(
     deterministic: bool,
     rg: Ragged | None = None,
     return_argmax: bool = False,
+    views: Views | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Scores ``[Nq, K]`` of canonical inputs, differentiable (and, if asked, the argmax ``[Nq, K, Lq]`` int32);
-    the argmax is computed only when a gradient needs it or it is asked for."""
+    the argmax is computed only when a gradient needs it or it is asked for. With ``views``, ``Q`` and ``D`` are
+    the caller's tensors, viewed as ``views.q`` and ``views.d``, and the results come back as ``views.out``
+    (``[..., Lq]`` for the argmax)."""
     need_grad = torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)
+    compiling = torch.compiler.is_compiling()
+    if need_grad and not compiling:
+        out = _MaxSimFunction.apply(Q, D, q_mask, d_mask, normalize, impl, deterministic, rg, views)
+        return out if return_argmax else out[0]
+    if views is not None:
+        Q, D = _in_views(Q, D, views)
     need_argmax = need_grad or return_argmax
-    if torch.compiler.is_compiling():
+    if compiling:
         r = () if rg is None else tuple(rg)
         out = forward(Q, D, q_mask, d_mask, normalize, need_argmax, impl, deterministic, *r)
-    elif need_grad:
-        out = _MaxSimFunction.apply(Q, D, q_mask, d_mask, normalize, impl, deterministic, rg)
     else:
         out = forward_impl(Q, D, q_mask, d_mask, normalize, need_argmax, impl, rg)
+    if views is not None and views.out is not None:
+        out = _out_views(out[0], out[1] if return_argmax else None, views)
     return out if return_argmax else out[0]

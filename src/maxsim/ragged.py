@@ -17,7 +17,7 @@ from torch import Tensor
 from . import validate as check_arg
 from .backend import choose_impl
 from .functional import _deterministic
-from .layout import Ragged
+from .layout import Ragged, Views
 from .ops import maxsim_canonical
 
 Result = Tensor | tuple[Tensor, Tensor]
@@ -167,15 +167,10 @@ def maxsim_pairs_varlen(
     if max_q is None or max_d is None or check:
         max_q, max_d = _read_back(cu_q, cu_d, Q.shape[0], D.shape[0], (pq, pd), max_q, max_d, check is not False)
     rg = Ragged(cu_q, cu_d, pq, pd, max_q, max_d)
-    out = maxsim_canonical(Q, D, None, None, normalize, choose_impl(Q), _deterministic(backward), rg, return_argmax)
-    # The [1, P] grid as [P]: views (their backward is a reshape, not a zero-filled copy), where the eager autograd
-    # path has not returned [P] already.
-    scores, argmax = out if return_argmax else (out, None)
-    if scores.dim() == 2:
-        scores = scores.view(-1)
-    if argmax is not None and argmax.dim() == 3:
-        argmax = argmax.view(argmax.shape[1:])
-    return (scores, argmax) if return_argmax else scores
+    # The [1, P] grid comes back as [P].
+    views = Views((), (), (pq.shape[0],))
+    impl = choose_impl(Q)
+    return maxsim_canonical(Q, D, None, None, normalize, impl, _deterministic(backward), rg, return_argmax, views)
 
 
 def maxsim_padded(

@@ -6,13 +6,14 @@ or the expanded scalar of a ``.sum()`` loss, ``sg = 0``, without a copy):
     dQ[q, t]        += g · D[doc(q, k), a]       (gather: one program per query-token block, summing over its pairs)
     dD[doc(q,k), a] += g · Q[q, t]               (scatter)
 
-The scatter comes in two flavours sharing the same inputs:
+Two kernels:
 
-* ``maxsim_bwd_scatter_kernel`` (fast): one program per (pair, token block), fp32 atomics into a zeroed buffer (it
-  also serves dQ of pair lists, whose queries repeat across pairs in any order);
-* ``maxsim_bwd_dd_owned_kernel`` (deterministic): each program owns a block of document tokens and walks the queries
-  that scored that document in a fixed order, selecting their tokens with a one-hot MMA
-  (``onehot[BN, TQ] @ Q[TQ, dim]``), so the sum order never changes and no atomics are used.
+* ``maxsim_bwd_kernel``: the gather (dQ, one program per query-token block, summing over the query's pairs in
+  order) and the owner (dD: each program owns a block of document tokens and walks the queries that scored that
+  document in a fixed order, selecting their tokens with a one-hot MMA ``onehot[BN, TQ] @ Q[TQ, dim]``), both in
+  one launch; no atomics, the same bits on every run;
+* ``maxsim_bwd_scatter_kernel``: one program per (pair, token block), fp32 atomics into a zeroed buffer, for dD of
+  large cross products (``backward="fast"``) and dQ of long pair lists (whose queries repeat in any order).
 
 Layouts are resolved by :mod:`.segments` exactly as in the forward. A pair list (``PAIR_LIST``) walks its pairs
 through two CSR indexes built on the device (pairs grouped by query for dQ, by document for dD); a short one
@@ -34,7 +35,9 @@ import triton.language as tl
 from .segments import OFFSETS, doc_segment, query_segment
 
 SCAN = tl.constexpr(1024)  # pair ids compared per step when a short pair list is scanned (PAIR_SCAN)
-UNROLL = tl.constexpr(4)  # pairs gathered per step of the dQ walk
+WALK_QUERIES: tl.constexpr = tl.constexpr(0)  # how a dD walk finds its entries (see _dd_load)
+WALK_CSR: tl.constexpr = tl.constexpr(1)
+WALK_PAIRS: tl.constexpr = tl.constexpr(2)
 
 
 @triton.jit
@@ -68,24 +71,21 @@ def _dq_add(
     return acc + rows.to(tl.float32) * w[:, None]
 
 
-@triton.jit(
-    do_not_specialize=[
-        "Nq", "K", "Lq", "Ld", "n_qseq", "n_qrows", "n_dseq", "n_drows", "sqs", "sds_b", "sds_k", "sg", "n_tb",
-    ]
-)  # fmt: skip
-def maxsim_bwd_dq_kernel(
-    G, ARG, D, INV_D, DQ, QSEG, DSEG, PQ, PD, QOFF, QPERM,
-    Nq, K, Lq, Ld, dim,
+@triton.jit
+def _dq_program(
+    pid, G, ARG, D, INV_D, DQ, QSEG, DSEG, PQ, PD, QOFF, QPERM,
+    K, Lq, Ld, dim,
     n_qseq, n_qrows, n_dseq, n_drows,
     sd_b, sd_k, sd_l,
     sdq_n, sdq_l,
     sqs, sds_b, sds_k, sg,
     n_tb,
-    BT: tl.constexpr, DIM_P: tl.constexpr,
+    BT: tl.constexpr, DIM_P: tl.constexpr, UNROLL: tl.constexpr,
     Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr, SHARED_DOCS: tl.constexpr,
     NORMALIZE: tl.constexpr, PAIR_SCAN: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
+    """dQ of one (query, token block): a gather over the query's pairs (``K`` of them: its documents, or a pair
+    list's ``P`` entries), summed in pair order."""
     q = (pid // n_tb).to(tl.int64)
     t = (pid % n_tb) * BT + tl.arange(0, BT)
     # DQ has Q's layout: its row pointer comes from the same segment description (with DQ's strides).
@@ -121,7 +121,7 @@ def maxsim_bwd_dq_kernel(
                 e_lo = q * 0
                 e_hi = q * 0 + K
             # UNROLL pairs per step: their loads do not depend on each other, so they are in flight together (one
-            # pair at a time, the walk waits for two dependent L2 round trips per pair). Same order of the sum.
+            # pair at a time, the walk waits for two dependent memory round trips per pair). Same order of the sum.
             for e0 in range(e_lo, e_hi, UNROLL):
                 for j in tl.static_range(UNROLL):
                     e = e0 + j
@@ -198,42 +198,58 @@ def maxsim_bwd_scatter_kernel(
 
 
 @triton.jit
-def _dd_add(
-    acc, p, q, j, kd, kd_ok, G, ARG, Q, INV_Q, QSEG,
-    Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, sg,
-    TQ: tl.constexpr, Q_KIND: tl.constexpr, NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+def _dd_load(
+    s, n_tq, K, kk, G, ARG, Q, INV_Q, QSEG, PQ, DPERM,
+    Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, sg, kd, kd_ok,
+    TQ: tl.constexpr, Q_KIND: tl.constexpr, WALK: tl.constexpr, NORMALIZE: tl.constexpr,
 ):  # fmt: skip
-    """``acc [BN, BLOCK_K]`` plus pair ``p``'s (query ``q``) share of dD for document tokens ``j``."""
+    """Operands of step ``s`` of a document's walk (entry ``e = s // n_tq``, its query tokens ``TQ`` at a time):
+    ``(argmax [TQ], query rows [TQ, BLOCK_K], weight)``, the weight a scalar (``[TQ]`` with ``NORMALIZE``).
+    Entries (``WALK``): the queries of the document (``WALK_QUERIES``: pair ``e * K + kk``), the CSR order of a pair
+    list (``WALK_CSR``) or a pair id (``WALK_PAIRS``)."""
+    e = s // n_tq
+    t0 = (s - e * n_tq) * TQ
+    if WALK == WALK_QUERIES:
+        q = e
+        p = e * K + kk
+    else:
+        p = tl.load(DPERM + e).to(tl.int64) if WALK == WALK_CSR else e
+        q = tl.load(PQ + p).to(tl.int64)
     q_base, q_tok0, q_len, _q_bad = query_segment(Q, QSEG, q, q >= 0, Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, Q_KIND)
-    g = tl.load(G + p * sg)
-    for t0 in range(0, q_len, TQ):
-        t = t0 + tl.arange(0, TQ)
-        t_ok = t < q_len
-        a = tl.load(ARG + p * Lq + t, mask=t_ok, other=-1)
-        hit = a[None, :] == j[:, None]  # [BN, TQ]; a == -1 never matches
-        # Unchosen tokens are not loaded: a masked query token may hold NaN, and 0 * NaN is NaN in the MMA.
-        qt = tl.load(q_base + t[:, None] * sq_l + kd[None, :], mask=(a >= 0)[:, None] & kd_ok[None, :], other=0.0)
-        if NORMALIZE:
-            w = g * tl.load(INV_Q + q_tok0 + t, mask=t_ok, other=0.0)
-            sel = tl.where(hit, w[None, :], 0.0)
-            acc += tl.dot(sel, qt.to(tl.float32), input_precision="ieee")
-        else:
-            if UPCAST:
-                qt = qt.to(tl.float32)
-            # A 0/1 selector is exact in any dtype, so the MMA returns the chosen rows exactly.
-            acc += g * tl.dot(hit.to(qt.dtype), qt, input_precision=DOT_PRECISION)
+    t = t0 + tl.arange(0, TQ)
+    t_ok = t < q_len
+    a = tl.load(ARG + p * Lq + t, mask=t_ok, other=-1)
+    # Unchosen tokens are not loaded: a masked query token may hold NaN, and 0 * NaN is NaN in the MMA.
+    qt = tl.load(q_base + t[:, None] * sq_l + kd[None, :], mask=(a >= 0)[:, None] & kd_ok[None, :], other=0.0)
+    w = tl.load(G + p * sg)
+    if NORMALIZE:
+        w = w * tl.load(INV_Q + q_tok0 + t, mask=t_ok, other=0.0)
+    return a, qt, w
+
+
+@triton.jit
+def _dd_add(
+    acc, a, qt, w, j,
+    NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """``acc [BN, BLOCK_K]`` plus one step's share of dD for document tokens ``j``: the rows ``qt`` of the query
+    tokens whose argmax ``a`` is in ``j``, times their weights ``w``."""
+    hit = a[None, :] == j[:, None]  # [BN, TQ]; a == -1 never matches
+    if NORMALIZE:
+        sel = tl.where(hit, w[None, :], 0.0)
+        acc += tl.dot(sel, qt.to(tl.float32), input_precision="ieee")
+    else:
+        if UPCAST:
+            qt = qt.to(tl.float32)
+        # A 0/1 selector is exact in any dtype, so the MMA returns the chosen rows exactly (a step's tokens belong
+        # to one query: one weight).
+        acc += w * tl.dot(hit.to(qt.dtype), qt, input_precision=DOT_PRECISION)
     return acc
 
 
-@triton.jit(
-    do_not_specialize=[
-        "Nq", "K", "P", "Lq", "Ld", "n_qseq", "n_qrows", "n_dseq", "n_drows", "sqs", "sds_b", "sds_k", "sg", "n_jb",
-        "n_kb",
-    ]
-)  # fmt: skip
-def maxsim_bwd_dd_owned_kernel(
-    G, ARG, Q, INV_Q, GD, QSEG, DSEG, PQ, PD, DOFF, DPERM,
+@triton.jit
+def _dd_program(
+    pid, G, ARG, Q, INV_Q, GD, QSEG, DSEG, PQ, PD, DOFF, DPERM,
     Nq, K, P, Lq, Ld, dim,
     n_qseq, n_qrows, n_dseq, n_drows,
     sq_n, sq_l,
@@ -244,7 +260,7 @@ def maxsim_bwd_dd_owned_kernel(
     Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr, SHARED_DOCS: tl.constexpr,
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PAIR_SCAN: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
+    """dD of one (document, token block, dim block), owned: no atomics, a fixed order of the sum."""
     kb = pid % n_kb
     jb = (pid // (n_kb)) % n_jb
     doc = (pid // (n_kb * n_jb)).to(tl.int64)
@@ -257,6 +273,7 @@ def maxsim_bwd_dd_owned_kernel(
     kd = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     kd_ok = kd < dim
     acc = tl.zeros([BN, BLOCK_K], dtype=tl.float32)
+    n_tq = tl.cdiv(Lq, TQ)
     # A block of document tokens past the document's end was chosen by no query token: skip the pair walk.
     if jb * BN < d_len:
         # Which pairs scored this document, in a fixed order: every query (shared documents), its one query (per-query
@@ -271,10 +288,12 @@ def maxsim_bwd_dd_owned_kernel(
                     rank = tl.cumsum(mine.to(tl.int32), 0)
                     for h in range(0, n_mine):
                         p = tl.sum(tl.where(mine & (rank == h + 1), cols, 0), 0).to(tl.int64)
-                        acc = _dd_add(
-                            acc, p, tl.load(PQ + p).to(tl.int64), j, kd, kd_ok, G, ARG, Q, INV_Q, QSEG,
-                            Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, sg, TQ, Q_KIND, NORMALIZE, DOT_PRECISION, UPCAST,
-                        )  # fmt: skip
+                        for s in range(p * n_tq, (p + 1) * n_tq):
+                            a, qt, w = _dd_load(
+                                s, n_tq, K, kk, G, ARG, Q, INV_Q, QSEG, PQ, DPERM,
+                                Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, sg, kd, kd_ok, TQ, Q_KIND, WALK_PAIRS, NORMALIZE,
+                            )  # fmt: skip
+                            acc = _dd_add(acc, a, qt, w, j, NORMALIZE, DOT_PRECISION, UPCAST)
         else:
             if PAIR_LIST:
                 e_lo = tl.load(DOFF + kk).to(tl.int64)
@@ -285,17 +304,65 @@ def maxsim_bwd_dd_owned_kernel(
             else:
                 e_lo = b
                 e_hi = b + 1
-            for e in range(e_lo, e_hi):
-                if PAIR_LIST:
-                    p = tl.load(DPERM + e).to(tl.int64)
-                    q = tl.load(PQ + p).to(tl.int64)
-                else:
-                    q = e
-                    p = e * K + kk
-                acc = _dd_add(
-                    acc, p, q, j, kd, kd_ok, G, ARG, Q, INV_Q, QSEG,
-                    Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, sg, TQ, Q_KIND, NORMALIZE, DOT_PRECISION, UPCAST,
+            # One flat loop over (entry, query-token block) steps, nothing nested, so that the compiler pipelines it
+            # (it prefetches the argmax of the next steps).
+            for s in range(e_lo * n_tq, e_hi * n_tq):
+                a, qt, w = _dd_load(
+                    s, n_tq, K, kk, G, ARG, Q, INV_Q, QSEG, PQ, DPERM,
+                    Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, sg, kd, kd_ok, TQ, Q_KIND,
+                    WALK_CSR if PAIR_LIST else WALK_QUERIES, NORMALIZE,
                 )  # fmt: skip
+                acc = _dd_add(acc, a, qt, w, j, NORMALIZE, DOT_PRECISION, UPCAST)
     j_store = j < d_len if D_KIND == OFFSETS else j < Ld  # padding rows get their (zero) gradient too
     out = gd_base + j[:, None] * sgd_l + kd[None, :]
     tl.store(out, acc.to(GD.dtype.element_ty), mask=j_store[:, None] & kd_ok[None, :])
+
+
+@triton.jit(
+    do_not_specialize=[
+        "n_queries", "Nq", "K", "K_dd", "P", "Lq", "Ld", "n_qseq", "n_qrows", "n_dseq", "n_drows", "sqs", "sds_b",
+        "sds_k", "sg", "n_tb", "n_jb", "n_kb", "n_dq",
+    ]
+)  # fmt: skip
+def maxsim_bwd_kernel(
+    G, ARG, Q, D, INV_Q, INV_D, DQ, GD, QSEG, DSEG, PQ, PD, QOFF, QPERM, DOFF, DPERM,
+    n_queries, Nq, K, K_dd, P, Lq, Ld, dim,
+    n_qseq, n_qrows, n_dseq, n_drows,
+    sq_n, sq_l,
+    sd_b, sd_k, sd_l,
+    sdq_n, sdq_l,
+    sgd_b, sgd_k, sgd_l,
+    sqs, sds_b, sds_k, sg,
+    n_tb, n_jb, n_kb, n_dq,
+    BT: tl.constexpr, DIM_P: tl.constexpr, UNROLL: tl.constexpr, TQ: tl.constexpr, BN: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr, SHARED_DOCS: tl.constexpr,
+    NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    DQ_GATHER: tl.constexpr, DD_OWNED: tl.constexpr, SCAN_Q: tl.constexpr, SCAN_D: tl.constexpr,
+):  # fmt: skip
+    """The gather-and-own backward in one launch: programs ``[0, n_dq)`` compute dQ by the gather (``DQ_GATHER``),
+    the rest own blocks of dD (``DD_OWNED``); either side may be absent (a long pair list's dQ and the fast cross
+    product's dD use :func:`maxsim_bwd_scatter_kernel` instead). One launch rather than two: a small training step
+    is made of host time, and each launch is several microseconds of it.
+
+    Pair-grid sizes: ``K`` is the score grid's (a pair list: ``P``) for the gather; ``Nq``, ``K_dd`` (documents of
+    a pair list) and ``P`` for the owner."""
+    pid = tl.program_id(0)
+    # (a launch of one side tests nothing: the branch costs a dQ-only variant ~35 registers, a program per SM)
+    gather = pid < n_dq if DQ_GATHER and DD_OWNED else DQ_GATHER
+    if gather:
+        if DQ_GATHER:
+            _dq_program(
+                pid, G, ARG, D, INV_D, DQ, QSEG, DSEG, PQ, PD, QOFF, QPERM,
+                K, Lq, Ld, dim, n_qseq, n_qrows, n_dseq, n_drows, sd_b, sd_k, sd_l, sdq_n, sdq_l,
+                sqs, sds_b, sds_k, sg, n_tb, BT, DIM_P, UNROLL, Q_KIND, D_KIND, PAIR_LIST, SHARED_DOCS, NORMALIZE,
+                SCAN_Q,
+            )  # fmt: skip
+    else:
+        if DD_OWNED:
+            _dd_program(
+                pid - n_dq, G, ARG, Q, INV_Q, GD, QSEG, DSEG, PQ, PD, DOFF, DPERM,
+                Nq, K_dd, P, Lq, Ld, dim, n_qseq, n_qrows, n_dseq, n_drows, sq_n, sq_l, sgd_b, sgd_k, sgd_l,
+                sqs, sds_b, sds_k, sg, n_jb, n_kb, TQ, BN, BLOCK_K, Q_KIND, D_KIND, PAIR_LIST, SHARED_DOCS,
+                NORMALIZE, DOT_PRECISION, UPCAST, SCAN_D,
+            )  # fmt: skip

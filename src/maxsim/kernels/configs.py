@@ -81,12 +81,17 @@ def forward_config(Lq: int, dim: int, Nq: int, shared_docs: bool, need_argmax: b
 
 
 @lru_cache(maxsize=256)
-def backward_config(Lq: int, dim: int) -> BackwardConfig:
+def backward_config(Lq: int, dim: int, candidates: bool = False) -> BackwardConfig:
+    """``candidates``: every document is scored by one query, dense (per-query candidates, aligned pairs)."""
     dim_p = max(16, next_pow2(dim))
     # 16 tokens per dQ program at dim 128: twice the programs of 32, which the gather's latency-bound walk needs
     # (H100, fwd_probe --backward: 256x256 Lq32 Ld300 backward 0.57 -> 0.48 ms, 64x64 Ld128 0.084 -> 0.061 ms).
     bt = max(16, min(64, 2048 // dim_p))
     bt = min(bt, max(16, next_pow2(Lq)))
     tq = min(64, max(16, next_pow2(Lq)))
-    block_k = min(dim_p, 128)
+    # The dD owner of a candidate document holds a 64x64 accumulator: 115 registers instead of 224 at 64x128, twice
+    # the programs resident (H100: candidates 256x16 Ld300 269 -> 253 us). A shared document's owner walks every
+    # query, and re-reading them for a second dim block costs more (256x256 Ld300 1.34 -> 1.47 ms); a pair list's
+    # owners would scan its pair ids twice as often.
+    block_k = min(dim_p, 64 if candidates else 128)
     return BackwardConfig(bt, dim_p, tq, 64, block_k, 4)

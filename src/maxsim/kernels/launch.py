@@ -15,15 +15,14 @@ from torch import Tensor
 from ..cpu import project_normalized_grad
 from ..layout import NORM_EPS, Ragged, dims
 from . import csr as csr_kernel
-from .backward import maxsim_bwd_dd_owned_kernel, maxsim_bwd_dq_kernel, maxsim_bwd_scatter_kernel
-from .configs import ForwardConfig, backward_config, forward_config
+from .backward import maxsim_bwd_kernel, maxsim_bwd_scatter_kernel
+from .configs import BackwardConfig, ForwardConfig, backward_config, forward_config
 from .forward import maxsim_fwd_kernel
 from .launcher import INTERPRETER, Launcher
 
 _fwd = Launcher(maxsim_fwd_kernel)
-_bwd_dq = Launcher(maxsim_bwd_dq_kernel)
+_bwd = Launcher(maxsim_bwd_kernel)
 _bwd_scatter = Launcher(maxsim_bwd_scatter_kernel)
-_bwd_dd_owned = Launcher(maxsim_bwd_dd_owned_kernel)
 _csr = Launcher(csr_kernel.csr_count_kernel)
 
 DENSE, OFFSETS, LENGTHS = 0, 1, 2  # segment kinds, as in kernels/segments.py
@@ -31,6 +30,13 @@ DENSE, OFFSETS, LENGTHS = 0, 1, 2  # segment kinds, as in kernels/segments.py
 # this (~64 MiB of L2-resident id reads): measured on an H100, the scan of 2048 pairs by 4096 programs costs less
 # GPU time than the host time it saves; at 3200 pairs x 6400 programs it no longer does (the index is built then).
 PAIR_SCAN_MAX_WORK = 1 << 24
+# The cross product's dD is owned (in the launch of dQ, no zeroed fp32 buffer, no cast: 3 launches fewer;
+# deterministic) up to this many one-hot multiply-adds, tiles padded; beyond it fp32 atomics cost less GPU time
+# (backward="fast"). H100, GPU time of the backward, owned vs atomics: 32x32 Lq32 Ld80 (2^29) 19 vs 23 us, 64x64
+# Lq32 Ld128 (2^31) 59 vs 53 us, 64x64 Lq23 Ld333 dim 96 (1.5 * 2^32) 114 vs 45 us, 256x256 Ld300 1.3 vs 0.53 ms.
+SHARED_OWNER_MAX_WORK = 1 << 31
+DQ_UNROLL = 4
+FUSED_DQ_UNROLL = 1
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -74,12 +80,12 @@ class _Segs(NamedTuple):
 
 
 def _ragged_key(rg: Ragged | None) -> tuple | None:
-    """What a forward plan depends on in a ragged description: which tensors are given, their shapes and strides
+    """What a plan depends on in a ragged description: which tensors are given, their shapes, strides and dtypes
     (never their values), and the maximum lengths."""
     if rg is None:
         return None
-    shapes = tuple(None if t is None else (t.shape, t.stride()) for t in (rg.q_seg, rg.d_seg, rg.pair_q))
-    return shapes + (rg.max_q, rg.max_d)
+    tensors = (rg.q_seg, rg.d_seg, rg.pair_q, rg.pair_d)
+    return tuple(None if t is None else (t.shape, t.stride(), t.dtype) for t in tensors) + (rg.max_q, rg.max_d)
 
 
 def _segs(Q: Tensor, D: Tensor, rg: Ragged | None) -> _Segs:
@@ -158,6 +164,7 @@ class _ForwardPlan(NamedTuple):
     constexprs: dict
     num_warps: int
     num_stages: int
+    launches: dict  # the launcher's plan cache (see Launcher)
 
 
 _plans: dict[tuple, _ForwardPlan] = {}
@@ -230,6 +237,7 @@ def forward(
         ),
         cfg.num_warps,
         cfg.num_stages,
+        {},
     )  # fmt: skip
     if key is not None:
         if len(_plans) >= _MAX_PLANS:
@@ -252,7 +260,8 @@ def _run_forward(
     dm = Q if d_mask is None else d_mask.view(torch.uint8)
     segs = (Q, Q, Q, Q) if sg is None else (sg.qseg, sg.dseg, sg.pq, sg.pd)
     arg = scores if argmax is None else argmax
-    _fwd(plan.grid, (Q, D, qm, dm, *segs, out, arg), plan.ints, plan.constexprs, plan.num_warps, plan.num_stages)
+    tensors = (Q, D, qm, dm, *segs, out, arg)
+    _fwd(plan.grid, tensors, plan.ints, plan.constexprs, plan.num_warps, plan.num_stages, plan.launches)
     if n_rsplit > 1:
         torch.sum(out, dim=0, out=scores)
     return scores, argmax
@@ -289,17 +298,28 @@ class _BackwardPlan(NamedTuple):
     dq_dtype: torch.dtype
     q_csr: bool  # the dQ gather walks a CSR index of the pairs by query
     n_queries: int
-    dq: tuple  # (grid, ints, constexprs) of the dQ launch
-    dd_owned: bool  # dD by the owner kernel (else atomics into a zeroed fp32 buffer)
+    dd_owned: bool  # dD by the owner programs (else atomics into a zeroed fp32 buffer)
     dd_dtype: torch.dtype
     d_csr: bool
     n_docs: int
-    dd: tuple
+    main: tuple  # (grid, ints, constexprs) of the maxsim_bwd_kernel launch: the dQ gather and/or the owned dD
+    dq_sc: tuple | None  # the scatter launches (dQ of a long pair list, dD of a large fast cross product)
+    dd_sc: tuple | None
     direct_d: bool  # dD comes out in D's dtype without a cast
     num_warps: int
+    launches: dict  # the launcher's plan cache of the main launch (see Launcher)
 
 
 _bplans: dict[tuple, _BackwardPlan] = {}
+
+
+def _shared_owned(Nq: int, Lq: int, K: int, Ld: int, dim: int, cfg: BackwardConfig) -> bool:
+    """Whether a fast backward of the cross product owns dD (see SHARED_OWNER_MAX_WORK)."""
+
+    def padded(n: int, block: int) -> int:
+        return triton_cdiv(n, block) * block
+
+    return Nq * K * padded(Lq, cfg.TQ) * padded(Ld, cfg.BN) * padded(dim, cfg.BLOCK_K) <= SHARED_OWNER_MAX_WORK
 
 
 def _backward_plan(
@@ -307,7 +327,7 @@ def _backward_plan(
 ) -> _BackwardPlan:
     Nq, Lq, Bd, K, Ld, dim = dims(Q, D, rg)
     shared = Bd == 1 and not sg.pairs
-    cfg = backward_config(Lq, dim)
+    cfg = backward_config(Lq, dim, not shared and not sg.pairs)
     grad_contiguous = grad.stride(0) != grad.stride(1) * grad.shape[1]  # kernels read grad at (q*K + k) * stride
     grad_stride = 1 if grad_contiguous else grad.stride(1)
     n_queries = sg.n_q if sg.q_kind == OFFSETS else Q.shape[0]
@@ -337,46 +357,45 @@ def _backward_plan(
     # over more programs would need a partial-sum buffer of another dtype, i.e. a second variant compiled at a
     # data-dependent moment, which the launch table rules out.
     dq_scatter = sg.pairs and not deterministic and not scan_q
-    if dq_scatter:
-        dq = scatter(True, q_fresh, _d_strides(D, shared))
-    else:
-        dq = (
-            n_queries * n_tb,
-            (n_queries, K, Lq, Ld, dim, *seg_args, *_d_strides(D, shared), *q_fresh, *seg_strides, n_tb),
-            dict(BT=cfg.BT, DIM_P=cfg.DIM_P, **kinds, PAIR_LIST=sg.pairs, SHARED_DOCS=shared, NORMALIZE=normalize,
-                 PAIR_SCAN=scan_q),
-        )  # fmt: skip
+    n_dq = 0 if dq_scatter else n_queries * n_tb
+    dq_sc = scatter(True, q_fresh, _d_strides(D, shared)) if dq_scatter else None
 
-    # dD: documents scored by one query each (candidates) and pair lists take the owner kernel, which is then also
-    # the fastest (no zeroed fp32 buffer, no atomics, no cast); the cross product uses atomics unless asked not to.
-    dd_owned = deterministic or not shared
-    scan_d = False
-    if dd_owned:
-        direct_d = not normalize
-        n_jb = triton_cdiv(Ld, cfg.BN)
-        n_kb = triton_cdiv(dim, cfg.BLOCK_K)
-        n_owned = n_docs if sg.d_kind == OFFSETS else Bd * K
-        scan_d = sg.pairs and n_owned * n_jb * n_kb * n_pairs <= PAIR_SCAN_MAX_WORK
-        dd = (
-            n_owned * n_jb * n_kb,
-            (
-                Nq, n_docs if sg.pairs else K, n_pairs, Lq, Ld, dim, *seg_args,
-                *_q_strides(Q), *d_fresh, *seg_strides, n_jb, n_kb,
-            ),
-            dict(
-                TQ=cfg.TQ, BN=cfg.BN, BLOCK_K=cfg.BLOCK_K, **kinds, PAIR_LIST=sg.pairs, SHARED_DOCS=shared,
-                NORMALIZE=normalize, DOT_PRECISION=_dot_precision(Q.dtype), UPCAST=_upcast(Q.dtype),
-                PAIR_SCAN=scan_d,
-            ),
-        )  # fmt: skip
-    else:
-        direct_d = not normalize and D.dtype == torch.float32
-        dd = scatter(False, _q_strides(Q), _d_strides(torch.empty(D.shape, device="meta"), shared))
+    # dD: documents scored by one query each (candidates) and pair lists take the owner programs, which are then also
+    # the fastest (no zeroed fp32 buffer, no atomics, no cast); so does the cross product up to a size (beyond it,
+    # atomics unless asked to be deterministic).
+    dd_owned = deterministic or not shared or _shared_owned(Nq, Lq, K, Ld, dim, cfg)
+    n_jb = triton_cdiv(Ld, cfg.BN)
+    n_kb = triton_cdiv(dim, cfg.BLOCK_K)
+    n_owned = n_docs if sg.d_kind == OFFSETS else Bd * K
+    scan_d = dd_owned and sg.pairs and n_owned * n_jb * n_kb * n_pairs <= PAIR_SCAN_MAX_WORK
+    n_dd = n_owned * n_jb * n_kb if dd_owned else 0
+    direct_d = not normalize and (dd_owned or D.dtype == torch.float32)
+    dd_sc = None if dd_owned else scatter(False, _q_strides(Q), _d_strides(torch.empty(D.shape, device="meta"), shared))
+    ints = (
+        n_queries, Nq, K, n_docs if sg.pairs else K, n_pairs, Lq, Ld, dim, *seg_args,
+        *_q_strides(Q), *_d_strides(D, shared), *q_fresh, *d_fresh, *seg_strides, n_tb, n_jb, n_kb,
+    )  # fmt: skip
+    constexprs = dict(
+        BT=cfg.BT, DIM_P=cfg.DIM_P, TQ=cfg.TQ, BN=cfg.BN, BLOCK_K=cfg.BLOCK_K, **kinds,
+        PAIR_LIST=sg.pairs, SHARED_DOCS=shared, NORMALIZE=normalize, DOT_PRECISION=_dot_precision(Q.dtype),
+        UPCAST=_upcast(Q.dtype), SCAN_Q=scan_q, SCAN_D=scan_d,
+    )  # fmt: skip
+    # Both sides in one launch (H100, GPU time of the backward: candidates 64x32 Lq32 Ld180 100 -> 76 us, as fast as
+    # two launches elsewhere), and one launch fewer of host time, which is what a small step is made of.
+    # The dQ walk gathers UNROLL pairs per step (their loads in flight together: fewer round trips per program,
+    # at 186 registers instead of 40); sharing a launch with the owner it takes one at a time, which leaves the
+    # owner's programs their occupancy.
+    unroll = DQ_UNROLL if not n_dd else FUSED_DQ_UNROLL
+    main = (
+        n_dq + n_dd,
+        (*ints, n_dq),
+        dict(constexprs, UNROLL=unroll, DQ_GATHER=n_dq > 0, DD_OWNED=n_dd > 0),
+    )
     return _BackwardPlan(
         grad_contiguous, dq_scatter, torch.float32 if (normalize or dq_scatter) else Q.dtype,
-        sg.pairs and not scan_q and not dq_scatter, n_queries, dq,
-        dd_owned, D.dtype if (dd_owned and direct_d) else torch.float32, sg.pairs and dd_owned and not scan_d,
-        n_docs, dd, direct_d and not normalize, cfg.num_warps,
+        sg.pairs and not scan_q and not dq_scatter, n_queries,
+        dd_owned, D.dtype if direct_d else torch.float32, sg.pairs and dd_owned and not scan_d, n_docs,
+        main, dq_sc, dd_sc, direct_d, cfg.num_warps, {},
     )  # fmt: skip
 
 
@@ -418,23 +437,25 @@ def backward(
         inv_q = inv_d = grad  # unused pointers
     segs = (sg.qseg, sg.dseg, sg.pq, sg.pd)
     nw = plan.num_warps
-
-    grid, ints, constexprs = plan.dq
     if plan.dq_scatter:
         dQ = torch.zeros(Q.shape, dtype=torch.float32, device=Q.device)
+        grid, ints, constexprs = plan.dq_sc
         _bwd_scatter(grid, (grad, argmax, dQ, D, inv_d, *segs), ints, constexprs, nw)
     else:
         dQ = torch.empty(Q.shape, dtype=plan.dq_dtype, device=Q.device)
-        q_off, q_order = csr(rg.pair_q, plan.n_queries) if plan.q_csr else (grad, grad)  # (else unused)
-        _bwd_dq(grid, (grad, argmax, D, inv_d, dQ, *segs, q_off, q_order), ints, constexprs, nw)
-
-    grid, ints, constexprs = plan.dd
-    if plan.dd_owned:
-        gd = torch.empty(D.shape, dtype=plan.dd_dtype, device=D.device)
-        d_off, d_order = csr(rg.pair_d, plan.n_docs) if plan.d_csr else (grad, grad)  # (else unused)
-        _bwd_dd_owned(grid, (grad, argmax, Q, inv_q, gd, *segs, d_off, d_order), ints, constexprs, nw)
-    else:
+    gd = torch.empty(D.shape, dtype=plan.dd_dtype, device=D.device) if plan.dd_owned else None
+    q_off, q_order = csr(rg.pair_q, plan.n_queries) if plan.q_csr else (grad, grad)  # (else unused)
+    d_off, d_order = csr(rg.pair_d, plan.n_docs) if plan.d_csr else (grad, grad)
+    grid, ints, constexprs = plan.main
+    if grid:
+        tensors = (grad, argmax, Q, D, inv_q, inv_d, dQ, grad if gd is None else gd, *segs, q_off, q_order, d_off,
+                   d_order)  # fmt: skip
+        _bwd(grid, tensors, ints, constexprs, nw, 3, plan.launches)
+    if gd is None:
+        # (after the gather: the argmax it read is still in L2 for the scatter; H100, 256x256 Ld300 step +40 us
+        # the other way round)
         gd = torch.zeros(D.shape, dtype=torch.float32, device=D.device)
+        grid, ints, constexprs = plan.dd_sc
         _bwd_scatter(grid, (grad, argmax, Q, gd, inv_q, *segs), ints, constexprs, nw)
 
     if normalize:
