@@ -239,8 +239,9 @@ def test_natural_ties_integer_data(layout, backend, device):
 
 @pytest.mark.parametrize("dtype", DT2)
 @pytest.mark.parametrize("layout", ["cross", "candidates", "pairs"])
-def test_backward_modes_agree_and_deterministic_is_bitwise(layout, dtype, backend, device):
-    """Backward "fast" and "deterministic" give the same gradients; "deterministic" is bitwise reproducible."""
+def test_backward_modes_agree_and_deterministic_is_bitwise(layout, dtype, backend, device, monkeypatch):
+    """Backward "fast" and "deterministic" give the same gradients; "deterministic" is bitwise reproducible. The
+    Triton cross product's fast backward owns dD up to a size and uses fp32 atomics beyond it: both are checked."""
     subset = {("cross", torch.bfloat16), ("candidates", torch.float32), ("pairs", torch.bfloat16)}
     keep_under_interpreter((layout, dtype) in subset, backend, device)
     n, m = {"cross": (4, 3), "candidates": (3, 2), "pairs": (4, 0)}[layout]
@@ -255,6 +256,15 @@ def test_backward_modes_agree_and_deterministic_is_bitwise(layout, dtype, backen
     grad = upstream_grad(s_f.shape, seed=11 + 5, device=device)  # the upstream gradient check_parity used
     _, dQ2, dD2, _ = lib_forward_backward(inp, normalize=True, backward="deterministic", grad=grad)
     assert torch.equal(dQ_d, dQ2) and torch.equal(dD_d, dD2), "backward='deterministic' is not bitwise reproducible"
+    if backend == "triton" and layout == "cross":
+        from maxsim.kernels import launch
+
+        monkeypatch.setattr(launch, "SHARED_OWNER_MAX_WORK", 0)  # the atomics path of large cross products
+        launch._bplans.clear()
+        _, dQ_a, dD_a = check_parity(inp, normalize=True, backward="fast", seed=11)
+        launch._bplans.clear()
+        torch.testing.assert_close(dQ_a, dQ_d, rtol=tol, atol=tol * float(dQ_d.abs().max()))
+        torch.testing.assert_close(dD_a, dD_d, rtol=tol, atol=tol * float(dD_d.abs().max()))
 
 
 # ----------------------------------------------------------------------------------------------------

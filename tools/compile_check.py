@@ -2,13 +2,17 @@
 
 The launch functions run on small CPU tensors with the launcher replaced by a compiler call (Triton's front end and
 ptxas, for ``sm_90``), so type and shape errors of the kernels show up here instead of on a lent GPU. Nothing is
-executed. Usage: ``python tools/compile_check.py [--full]`` (front end only, or the whole pipeline through ptxas);
-exit status 1 if a variant fails.
+executed. Usage: ``python tools/compile_check.py [--full | --regs]`` (front end only; the whole pipeline through
+ptxas; that plus each variant's registers and spill bytes from ``ptxas -v``, which say how many programs fit on a
+multiprocessor); exit status 1 if a variant fails.
 """
 
 from __future__ import annotations
 
+import re
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -25,7 +29,8 @@ from maxsim.layout import Ragged
 TARGET = GPUTarget("cuda", 90, 32)
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
           torch.int64: "i64", torch.uint8: "u8"}  # fmt: skip
-FULL = "--full" in sys.argv
+REGS = "--regs" in sys.argv
+FULL = "--full" in sys.argv or REGS
 seen: dict = {}
 failures: list[str] = []
 
@@ -59,7 +64,10 @@ def fake_call(self, grid, tensors, ints, constexprs, num_warps, num_stages=3, pl
         src = ASTSource(kernel, sig, constexprs)
         options = {"num_warps": num_warps, "num_stages": num_stages}
         if FULL:
-            triton.compile(src, target=TARGET, options=options)
+            compiled = triton.compile(src, target=TARGET, options=options)
+            if REGS:
+                flags = {k: v for k, v in constexprs.items() if isinstance(v, bool | int)}
+                print(f"{kernel.__name__} warps={num_warps} {flags}: {ptxas_usage(compiled.asm['ptx'])}", flush=True)
         else:
             front_end(src, options)
         seen[key] = time.perf_counter() - t0
@@ -67,6 +75,24 @@ def fake_call(self, grid, tensors, ints, constexprs, num_warps, num_stages=3, pl
         seen[key] = -1
         failures.append(f"{kernel.__name__} {constexprs}: {e}")
         traceback.print_exc()
+
+
+def ptxas_usage(ptx: str) -> str:
+    """``N registers, M bytes spill stores`` of a PTX module for sm_90a (ptxas from Triton's wheel)."""
+    from triton.backends.nvidia import compiler as nv
+
+    try:
+        ptxas = nv.get_ptxas(TARGET.arch).path
+    except TypeError:  # (older Triton: no architecture argument)
+        ptxas = nv.get_ptxas().path
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        cmd = [ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", "/dev/null"]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+    regs = re.search(r"Used (\d+) registers", out.stderr)
+    spills = re.search(r"(\d+) bytes spill stores", out.stderr)
+    return f"{regs.group(1) if regs else '?'} registers, {spills.group(1) if spills else '?'} bytes spill stores"
 
 
 def offsets(lengths: list[int]) -> torch.Tensor:

@@ -1,0 +1,95 @@
+"""Interleaved A/B of this checkout's maxsim against an older commit's, in one process, on the bench's workloads.
+
+Host-bound rows (small training steps, tiny inference) move by 2x between calls on the lent machines, so two runs of
+``maxsim bench`` cannot tell a 10 % change from noise. Here both versions run in the same process, alternating (7
+rounds, order reversed every other round, ``triton.testing.do_bench`` with its L2 flush, as the bench), and each
+row reports the median and the minimum of both.
+
+Usage:
+  python tools/ab_steps.py --make-old REV            # here: .devdata/oldpkg/maxsim_old from `git archive REV`
+  PYTHONPATH=src:.devdata/oldpkg python tools/ab_steps.py train|infer [PATTERN ...]   # on the GPU (carry .devdata)
+
+The old copy is importable as ``maxsim_old``: its relative imports make it self-contained, and its operators are
+registered as ``maxsim_old::*`` so that both versions coexist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import shutil
+import statistics
+import subprocess
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OLD = ROOT / ".devdata" / "oldpkg" / "maxsim_old"
+
+
+def make_old(rev: str) -> None:
+    data = subprocess.run(["git", "archive", rev, "src/maxsim"], cwd=ROOT, capture_output=True, check=True).stdout
+    shutil.rmtree(OLD, ignore_errors=True)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        for m in tar.getmembers():
+            if m.isfile():
+                dest = OLD / Path(m.name).relative_to("src/maxsim")
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                text = tar.extractfile(m).read()
+                dest.write_bytes(text.replace(b'"maxsim::', b'"maxsim_old::') if dest.name == "ops.py" else text)
+    print(f"wrote {OLD} from {rev}")
+
+
+def compare(mode: str, patterns: list[str] | None, rounds: int) -> None:
+    import maxsim_old
+    import torch
+    from triton.testing import do_bench
+
+    from maxsim.bench.peers import MaxsimImpl
+    from maxsim.bench.runner import make_call
+    from maxsim.bench.workloads import RAGGED_LAYOUTS, make_inputs, seed_of, select
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    old = maxsim_old
+    impls = {
+        "new": MaxsimImpl(),
+        "old": MaxsimImpl(old.maxsim, old.maxsim_pairs, old.maxsim_varlen, old.maxsim_pairs_varlen),
+    }
+    for w in select(mode=mode, only=patterns):
+        inp = make_inputs(w, dev, dt, seed_of(w))
+        calls = {}
+        for name, impl in impls.items():
+            if w.layout in RAGGED_LAYOUTS:
+                fn, operands = impl.prepare_ragged(w, inp, dev, dt)
+            else:
+                fn, operands = impl.scorer(w, dev, dt), inp
+            calls[name] = make_call(w, fn, operands)
+        times: dict[str, list[float]] = {n: [] for n in calls}
+        for r in range(rounds):
+            for n, c in calls.items() if r % 2 == 0 else reversed(calls.items()):
+                times[n].append(do_bench(c, warmup=10, rep=40) * 1e3)
+        med = {n: statistics.median(v) for n, v in times.items()}
+        print(
+            f"{mode:5s} {w.name:45s} new {med['new']:8.1f} us  old {med['old']:8.1f} us  new/old "
+            f"{med['new'] / med['old']:5.2f}   (min new {min(times['new']):7.1f} old {min(times['old']):7.1f})",
+            flush=True,
+        )
+        del inp, calls
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", nargs="?", choices=("train", "infer"))
+    ap.add_argument("patterns", nargs="*")
+    ap.add_argument("--make-old", metavar="REV")
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    if args.make_old:
+        make_old(args.make_old)
+    if args.mode:
+        compare(args.mode, args.patterns or None, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
