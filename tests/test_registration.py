@@ -294,3 +294,34 @@ def test_compile_module(backend, device):
     eager.backward(grad)
     torch.testing.assert_close(s.detach(), eager.detach(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(Q.grad, eager_Q.grad, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "call",
+    ["cross", "candidates", "one query", "one document", "pairs", "pair list"],
+)
+def test_eager_training_graph_is_one_node(call):
+    """Eager autograd sees one node per call whatever the layout: the canonical views of the inputs and of the
+    result are taken inside the autograd function (each view node would cost a small training step as much host
+    time as a kernel launch), and the gradients still come back in the inputs' shapes."""
+    dim = 8
+    Q3, D3, D4 = torch.randn(3, 4, dim), torch.randn(5, 6, dim), torch.randn(3, 2, 6, dim)
+    if call == "pair list":
+        Q, D = torch.randn(7, dim), torch.randn(9, dim)
+        cu_q, cu_d = torch.tensor([0, 3, 7]), torch.tensor([0, 4, 9])
+        pq, pd = torch.tensor([0, 1, 1]), torch.tensor([1, 0, 1])
+        fn = lambda q, d: maxsim.maxsim_pairs_varlen(q, d, cu_q, cu_d, pq, pd, max_seqlen_q=4, max_seqlen_d=5)  # noqa: E731
+    else:
+        Q, D, fn = {
+            "cross": (Q3, D3, maxsim.maxsim),
+            "candidates": (Q3, D4, maxsim.maxsim),
+            "one query": (Q3[0], D3, maxsim.maxsim),
+            "one document": (Q3, D3[0], maxsim.maxsim),
+            "pairs": (Q3, D3[:3], maxsim.maxsim_pairs),
+        }[call]
+    Q, D = Q.clone().requires_grad_(), D.clone().requires_grad_()
+    s = fn(Q, D)
+    assert type(s.grad_fn).__name__ == "_MaxSimFunctionBackward"
+    assert all(type(n).__name__ == "AccumulateGrad" for n, _ in s.grad_fn.next_functions if n is not None)
+    dQ, dD = torch.autograd.grad(s.sum(), (Q, D))
+    assert dQ.shape == Q.shape and dD.shape == D.shape
