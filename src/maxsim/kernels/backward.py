@@ -21,9 +21,9 @@ through two CSR indexes built on the device (pairs grouped by query for dQ, by d
 visits the same pairs in the same order without building an index (no extra launches: small pair-list steps are
 bound by host time, not by the GPU).
 
-Known deviation: a non-finite upstream gradient ``g`` of a pair reaches every token of the owned blocks of its
-document (``g · 0`` of the unchosen rows of the one-hot product is NaN), where the reference and the atomics put it
-on the chosen tokens only. Finite gradients are exact.
+Known deviation: without ``normalize``, a non-finite upstream gradient ``g`` of a pair reaches every token of the
+owned blocks of its document (``g · 0`` of the unchosen rows of the one-hot product is NaN), where the reference and
+the atomics put it on the chosen tokens only. Finite gradients are exact.
 
 With ``normalize=True`` the kernels produce gradients w.r.t. the normalized tokens (they scale by the inverse norms,
 per-token arrays); the per-token projection back to the raw tokens happens once per token afterwards.
