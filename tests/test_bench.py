@@ -277,6 +277,32 @@ def _run(ws, impls, **kw):
     return runner.run(ws, impls, device=CPU, dtype=torch.float32, warmup_ms=0, rep_ms=1, progress=False, **kw)
 
 
+class _Logged(Impl):
+    """Eager scores; every call appends the implementation's name to ``log``."""
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.log = name, log
+
+    def scorer(self, w, device, dtype):
+        def fn(Q, D):
+            self.log.append(self.name)
+            return eager_fn(w)(Q, D)
+
+        return fn
+
+
+def test_run_times_implementations_in_interleaved_rounds():
+    calls: list[str] = []
+    res = _run([_tiny("infer", "cross")], [_Logged("a", calls), _Logged("b", calls)], rounds=3)
+    runs = [name for i, name in enumerate(calls) if i == 0 or calls[i - 1] != name]
+    # one checked call each, then three rounds of a's timing followed by b's
+    assert runs == ["a", "b"] * 4, runs
+    assert res.meta["rounds"] == 3
+    assert all(r.status == "ok" and r.ms is not None and r.ms > 0 for r in res.rows)
+    with pytest.raises(ValueError, match="rounds"):
+        _run([_tiny("infer", "cross")], [_Logged("a", calls)], rounds=0)
+
+
 def test_run_marks_fail_error_na_and_skips():
     ws = [_tiny("infer", "cross"), _tiny("train", "pairs")]
     impls = [_stand_in(), EagerImpl(), _Wrong(), _WrongGrad(), _Crash(), _NotForPairs(), peers.LikImpl()]

@@ -38,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup-ms", type=float, help="warm-up ms per row (GPU 25, CPU 20, CPU --quick 10)")
     b.add_argument("--rep-ms", type=float, help="timed ms per row (GPU 100, CPU 200, CPU --quick 50)")
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument(
+        "--rounds", type=int, default=3, help="interleaved timing rounds per workload (median of their medians)"
+    )
     b.add_argument("--list", action="store_true", help="list the selected workloads and exit")
     b.add_argument(
         "--from-json",
@@ -68,6 +71,9 @@ def _bench(args: argparse.Namespace) -> int:
         workloads = select(args.mode, args.only, args.quick)
     except ValueError as e:
         print(f"maxsim bench: {e}", file=sys.stderr)
+        return 2
+    if args.rounds < 1:
+        print(f"maxsim bench: --rounds must be at least 1, got {args.rounds}", file=sys.stderr)
         return 2
     if args.list:
         kw = max((len(w.key) for w in workloads), default=0)
@@ -101,6 +107,7 @@ def _bench(args: argparse.Namespace) -> int:
         warmup_ms=warmup,
         rep_ms=rep,
         seed=args.seed,
+        rounds=args.rounds,
         skip=skip,
         quick=args.quick,
         progress=not args.no_progress,

@@ -296,6 +296,13 @@ def _mode_tables(
             out.append(f"| {key[1]} | " + " | ".join(cells) + " |")
 
 
+def _rounds_note(meta: dict) -> str:
+    rounds = meta.get("rounds") or 1
+    if rounds == 1:
+        return ""
+    return f"; each workload's implementations timed in {rounds} interleaved rounds, the median of their medians"
+
+
 def markdown(result: Result) -> str:
     """Per mode, one table of median ms per implementation, with maxsim's speed-up and roofline fraction; ragged
     workloads in tables of their own, with the drawn lengths and maxsim's speed-up over ``maxsim-padded``."""
@@ -324,8 +331,9 @@ def markdown(result: Result) -> str:
         )
     out += [
         "",
-        "Median ms (lower is better). `vs best peer`: the fastest other implementation's time over maxsim's "
-        "(>1 = maxsim faster). `% floor`: roofline floor / maxsim's time. FAIL = wrong result (not ranked); "
+        f"Median ms (lower is better){_rounds_note(m)}. `vs best peer`: the fastest other implementation's time "
+        "over maxsim's (>1 = maxsim faster). `% floor`: roofline floor / maxsim's time. FAIL = wrong result (not "
+        "ranked); "
         "n/a = not covered by that implementation; — = implementation not available.",
     ]
     groups = group_rows(result.rows)

@@ -552,17 +552,21 @@ def _short(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg[:240]}"
 
 
-def _bench_one(row: Row, impl: Impl, w: Workload, inp: Inputs, ref: Reference | None, ctx: _Ctx) -> None:
+def _bench_one(
+    row: Row, impl: Impl, w: Workload, inp: Inputs, ref: Reference | None, ctx: _Ctx
+) -> Callable[[], tuple] | None:
+    """Prepare, check against the reference and measure the peak memory of one implementation on one workload;
+    returns the timed call (None where there is nothing to time: ``row`` then says why)."""
     if w.ragged and not impl.ragged:
         row.status, row.reason = "n/a", f"no entry point for the ragged layout {w.layout!r}"
-        return
+        return None
     reason = impl.unsupported(w, ctx.device, ctx.dtype)
     if reason is not None:
         row.status, row.reason = "n/a", reason
-        return
+        return None
     if ref is None:
         row.status, row.reason = "error", ctx.ref_error
-        return
+        return None
     try:
         fn, operands = impl.prepare(w, inp, ctx.device, ctx.dtype)
         call = make_call(w, fn, operands)
@@ -575,10 +579,28 @@ def _bench_one(row: Row, impl: Impl, w: Workload, inp: Inputs, ref: Reference | 
         row.grad_identity_err = check.grad_identity_err
         row.status, row.reason = ("ok" if check.ok else "FAIL"), check.reason
         row.peak_mib = peak_extra_mib(call, ctx.device)
-        row.ms = ctx.timer(call)
+        return call
     except Exception as e:  # one broken row must not end the run
         row.status, row.reason = "error", _short(e)
         row.ms = row.peak_mib = None
+    return None
+
+
+def _time_interleaved(timed: list[tuple[Row, Callable[[], Any]]], ctx: _Ctx) -> None:
+    """``row.ms`` of every prepared call of one workload: the median over ``ctx.rounds`` rounds, each round timing
+    every implementation once, in turn. Interleaving spreads a drift of the machine (host clocks, GPU clocks,
+    neighbours) over all implementations alike instead of charging it to whichever ran in the bad second."""
+    times: dict[int, list[float]] = {id(row): [] for row, _ in timed}
+    for _ in range(ctx.rounds):
+        for row, call in timed:
+            if row.status == "error":
+                continue
+            try:
+                times[id(row)].append(ctx.timer(call))
+            except Exception as e:
+                row.status, row.reason = "error", _short(e)
+    for row, _ in timed:
+        row.ms = statistics.median(times[id(row)]) if row.status != "error" and times[id(row)] else None
 
 
 @dataclass
@@ -587,6 +609,7 @@ class _Ctx:
     dtype: torch.dtype
     tol: float
     timer: Callable[[Callable[[], Any]], float]
+    rounds: int = 1
     ref_error: str | None = None
 
 
@@ -599,6 +622,7 @@ def run(
     warmup_ms: float = 25.0,
     rep_ms: float = 100.0,
     seed: int = 0,
+    rounds: int = 3,
     skip: dict[str, str] | None = None,
     quick: bool = False,
     progress: bool = True,
@@ -607,13 +631,18 @@ def run(
     """Benchmark every implementation on every workload; returns rows with ratios and floors filled in.
 
     ``quick`` is recorded in the provenance (the workloads are already shrunk). ``skip`` maps implementation
-    names to a reason for leaving them out (printed, and recorded as ``skipped``).
+    names to a reason for leaving them out (printed, and recorded as ``skipped``). Each workload's implementations
+    are timed in ``rounds`` interleaved rounds of ``warmup_ms / rounds`` and ``rep_ms / rounds`` each (see
+    :func:`_time_interleaved`); a row's time is the median of its rounds' medians.
     """
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be a positive int, got {rounds!r}")
     device = torch.device(device)
-    timer = make_timer(device, warmup_ms, rep_ms)
+    timer = make_timer(device, warmup_ms / rounds, rep_ms / rounds)
     roof = measure_roofline(device, dtype)
     meta = provenance(device, dtype, roof, impls)
     meta["quick"] = quick
+    meta["rounds"] = rounds
     if roof.bandwidth is not None:
         log(
             f"{meta['device_name']}: copy {meta['copy_bandwidth_gbps']:.0f} GB/s, "
@@ -632,7 +661,7 @@ def run(
         expected = getattr(impl, "expected_version", "")
         if impl.name not in skipped and expected and meta["impl_versions"].get(impl.name) != expected:
             log(f"{impl.name}: version {meta['impl_versions'].get(impl.name)}, the design's numbers use {expected}")
-    ctx = _Ctx(device=device, dtype=dtype, tol=TOLERANCE.get(dtype, 1e-4), timer=timer)
+    ctx = _Ctx(device=device, dtype=dtype, tol=TOLERANCE.get(dtype, 1e-4), timer=timer, rounds=rounds)
     result = Result(meta=meta)
     plan = [(w, [i for i in impls if w.ragged or not i.ragged_only]) for w in workloads]
     bar = _Progress(sum(len(row_impls) for _, row_impls in plan), len(workloads), progress, log)
@@ -649,6 +678,7 @@ def run(
                 ref = reference(w, inp, need_grad=w.mode == "train")
             except Exception as e:
                 ctx.ref_error = f"inputs/reference failed: {_short(e)}"
+            timed: list[tuple[Row, Callable[[], tuple]]] = []
             for impl in row_impls:
                 row = Row(
                     workload=w.name,
@@ -669,12 +699,16 @@ def run(
                 elif inp is None:
                     row.status, row.reason = "error", ctx.ref_error
                 else:
-                    _bench_one(row, impl, w, inp, ref, ctx)
+                    call = _bench_one(row, impl, w, inp, ref, ctx)
+                    if call is not None:
+                        timed.append((row, call))
                     if row.status in ("FAIL", "error"):
                         bar.write(f"{w.key} {impl.name}: {row.status}: {row.reason}")
                 result.rows.append(row)
                 bar.step(f"{w.key} {impl.name}")
                 _free(device)
+            _time_interleaved(timed, ctx)
+            del timed
             for impl in impls:
                 impl.reset()
             del inp, ref
