@@ -2,9 +2,11 @@
 
 The launch functions run on small CPU tensors with the launcher replaced by a compiler call (Triton's front end and
 ptxas, for ``sm_90``), so type and shape errors of the kernels show up here instead of on a lent GPU. Nothing is
-executed. Usage: ``python tools/compile_check.py [--full | --regs]`` (front end only; the whole pipeline through
-ptxas; that plus each variant's registers and spill bytes from ``ptxas -v``, which say how many programs fit on a
-multiprocessor); exit status 1 if a variant fails.
+executed. Usage: ``python tools/compile_check.py [--full | --regs] [NAME=VALUE ...]`` (front end only; the whole
+pipeline through ptxas; that plus each variant's registers and spill bytes from ``ptxas -v``, which say how many
+programs fit on a multiprocessor); ``NAME=VALUE`` arguments keep only the variants whose kernel name
+(``kernel=maxsim_bwd_kernel``), constexprs (``SCAN_D=True``) or ``num_warps`` match. Exit status 1 if a variant
+fails.
 """
 
 from __future__ import annotations
@@ -31,8 +33,15 @@ _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", 
           torch.int64: "i64", torch.uint8: "u8"}  # fmt: skip
 REGS = "--regs" in sys.argv
 FULL = "--full" in sys.argv or REGS
+FILTERS = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
 seen: dict = {}
 failures: list[str] = []
+
+
+def wanted(kernel_name: str, constexprs: dict, num_warps: int) -> bool:
+    """Whether a variant passes the command line's ``NAME=VALUE`` filters."""
+    fields = {"kernel": kernel_name, "num_warps": num_warps, **constexprs}
+    return all(name in fields and str(fields[name]) == value for name, value in FILTERS.items())
 
 
 def front_end(src: ASTSource, options: dict) -> None:
@@ -57,7 +66,7 @@ def fake_call(self, grid, tensors, ints, constexprs, num_warps, num_stages=3, pl
     for name in constexprs:
         sig[name] = "constexpr"
     key = (kernel.__name__, tuple(sig.items()), tuple(constexprs.items()), num_warps, num_stages)
-    if key in seen:
+    if key in seen or not wanted(kernel.__name__, constexprs, num_warps):
         return
     t0 = time.perf_counter()
     try:

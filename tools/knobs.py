@@ -1,0 +1,90 @@
+"""Interleaved A/B of launch settings (module constants of ``maxsim.kernels.launch``) in one process.
+
+Each variant is a set of ``NAME=VALUE`` assignments; the bench's workloads run under every variant in turn (plans
+cleared at each switch), 7 rounds by default, ``triton.testing.do_bench`` with its L2 flush, and a per-kernel GPU
+profile of each variant follows. Host-bound rows move by 2x between calls on the lent machines: only variants timed
+side by side in one process are compared.
+
+Usage (on the GPU):
+  python tools/knobs.py train 'cross-64x64-lq23-ld333-d96' --variant base: \\
+      --variant owner:SHARED_OWNER_MAX_WORK=0x10000000000
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from probe_common import kernel_table  # tools/ is on sys.path when this runs as a script
+from triton.testing import do_bench
+
+from maxsim.bench.peers import MaxsimImpl
+from maxsim.bench.runner import make_call
+from maxsim.bench.workloads import RAGGED_LAYOUTS, make_inputs, seed_of, select
+from maxsim.kernels import launch
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, int]]:
+    """``label:NAME=VALUE,NAME=VALUE`` -> ``(label, {NAME: int(VALUE)})``."""
+    label, _, assigns = text.partition(":")
+    settings = {}
+    for a in filter(None, assigns.split(",")):
+        name, value = a.split("=", 1)
+        if not hasattr(launch, name):
+            raise SystemExit(f"launch has no setting {name!r}")
+        settings[name] = int(value, 0)
+    return label, settings
+
+
+def apply(settings: dict[str, int], defaults: dict[str, object]) -> None:
+    for name, value in defaults.items():
+        setattr(launch, name, value)
+    for name, value in settings.items():
+        setattr(launch, name, type(defaults[name])(value))
+    launch._bplans.clear()
+    launch._plans.clear()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=("train", "infer"))
+    ap.add_argument("patterns", nargs="*")
+    ap.add_argument("--variant", action="append", required=True, help="label:NAME=VALUE,...")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--no-profile", action="store_true")
+    args = ap.parse_args()
+    variants = dict(parse_variant(v) for v in args.variant)
+    names = {n for s in variants.values() for n in s}
+    defaults = {n: getattr(launch, n) for n in names}
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    impl = MaxsimImpl()
+    for w in select(mode=args.mode, only=args.patterns or None):
+        inp = make_inputs(w, dev, dt, seed_of(w))
+        if w.layout in RAGGED_LAYOUTS:
+            fn, operands = impl.prepare_ragged(w, inp, dev, dt)
+        else:
+            fn, operands = impl.scorer(w, dev, dt), inp
+        call = make_call(w, fn, operands)
+        times: dict[str, list[float]] = {v: [] for v in variants}
+        for r in range(args.rounds):
+            order = list(variants.items()) if r % 2 == 0 else list(reversed(variants.items()))
+            for label, settings in order:
+                apply(settings, defaults)
+                times[label].append(do_bench(call, warmup=10, rep=40) * 1e3)
+        base = statistics.median(next(iter(times.values())))
+        for label, t in times.items():
+            med = statistics.median(t)
+            print(f"{args.mode:5s} {w.name:45s} {label:12s} {med:8.1f} us  x{med / base:5.2f} of the first  "
+                  f"(min {min(t):7.1f})", flush=True)  # fmt: skip
+        if not args.no_profile:
+            for label, settings in variants.items():
+                apply(settings, defaults)
+                kernel_table(f"{w.name} {label}", call, rows=6)
+        apply({}, defaults)
+        del inp, call
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
