@@ -22,26 +22,38 @@ from triton.testing import do_bench
 from maxsim.bench.peers import MaxsimImpl
 from maxsim.bench.runner import make_call
 from maxsim.bench.workloads import RAGGED_LAYOUTS, make_inputs, seed_of, select
-from maxsim.kernels import launch
+from maxsim.kernels import configs, launch
+
+MODULES = {"launch": launch, "configs": configs}
+
+
+def _owner(name: str) -> tuple[object, str]:
+    """``configs.X`` -> (the configs module, ``X``); a bare name is ``launch``'s."""
+    module, _, attr = name.rpartition(".")
+    return MODULES[module or "launch"], attr
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, int]]:
-    """``label:NAME=VALUE,NAME=VALUE`` -> ``(label, {NAME: int(VALUE)})``."""
+    """``label:NAME=VALUE,NAME=VALUE`` -> ``(label, {NAME: int(VALUE)})``; ``NAME`` is a setting of ``launch`` or,
+    written ``configs.NAME``, of the launch table."""
     label, _, assigns = text.partition(":")
     settings = {}
     for a in filter(None, assigns.split(",")):
         name, value = a.split("=", 1)
-        if not hasattr(launch, name):
-            raise SystemExit(f"launch has no setting {name!r}")
+        module, attr = _owner(name)
+        if not hasattr(module, attr):
+            raise SystemExit(f"no setting {name!r}")
         settings[name] = int(value, 0)
     return label, settings
 
 
 def apply(settings: dict[str, int], defaults: dict[str, object]) -> None:
     for name, value in defaults.items():
-        setattr(launch, name, value)
+        setattr(*_owner(name), value)
     for name, value in settings.items():
-        setattr(launch, name, type(defaults[name])(value))
+        setattr(*_owner(name), type(defaults[name])(value))
+    configs.backward_config.cache_clear()
+    configs.forward_config.cache_clear()
     launch._bplans.clear()
     launch._plans.clear()
 
@@ -56,7 +68,7 @@ def main() -> None:
     args = ap.parse_args()
     variants = dict(parse_variant(v) for v in args.variant)
     names = {n for s in variants.values() for n in s}
-    defaults = {n: getattr(launch, n) for n in names}
+    defaults = {n: getattr(*_owner(n)) for n in names}
     dev, dt = torch.device("cuda"), torch.bfloat16
     impl = MaxsimImpl()
     for w in select(mode=args.mode, only=args.patterns or None):

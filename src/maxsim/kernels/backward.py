@@ -322,6 +322,47 @@ def _dd_program(
     tl.store(out, acc.to(GD.dtype.element_ty), mask=j_store[:, None] & kd_ok[None, :])
 
 
+@triton.jit
+def _dd_doc_program(
+    pid, G, ARG, Q, INV_Q, GD, QSEG, DSEG,
+    K, Lq, Ld, dim,
+    n_qseq, n_qrows, n_dseq, n_drows,
+    sq_n, sq_l,
+    sgd_b, sgd_k, sgd_l,
+    sqs, sds_b, sds_k, sg,
+    n_jb, n_kb,
+    TQ: tl.constexpr, BN: tl.constexpr, BLOCK_K: tl.constexpr,
+    Q_KIND: tl.constexpr, D_KIND: tl.constexpr,
+    NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """dD of one (document, dim block) of a document that one query of at most ``TQ`` tokens scored (per-query
+    candidates, aligned pairs): the query's argmax and rows are loaded once, then the program writes the document's
+    token blocks in turn, an MMA and a store each. (One program per token block spent most of its life waiting
+    on those loads: H100, backward of candidates 256x16 Lq32 Ld300 244 -> 118 us.)"""
+    kb = pid % n_kb
+    doc = (pid // n_kb).to(tl.int64)
+    b = doc // K
+    kk = doc % K
+    gd_base, _gd_tok0, d_len, _d_bad = doc_segment(
+        GD, DSEG, b, kk, K, Ld, n_dseq, n_drows, sgd_b, sgd_k, sgd_l, sds_b, sds_k, D_KIND
+    )
+    kd = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    kd_ok = kd < dim
+    a, qt, w = _dd_load(
+        b, 1, K, kk, G, ARG, Q, INV_Q, QSEG, QSEG, QSEG,
+        Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, sg, kd, kd_ok, TQ, Q_KIND, WALK_QUERIES, NORMALIZE,
+    )  # fmt: skip
+    n_stored = tl.cdiv(d_len, BN) if D_KIND == OFFSETS else n_jb  # padding rows get their (zero) gradient too
+    for jb in range(0, n_stored):
+        j = jb * BN + tl.arange(0, BN)
+        acc = tl.zeros([BN, BLOCK_K], dtype=tl.float32)
+        if jb * BN < d_len:  # (past the document's end: chosen by no token, and no NaN of w spread there)
+            acc = _dd_add(acc, a, qt, w, j, NORMALIZE, DOT_PRECISION, UPCAST)
+        j_store = j < d_len if D_KIND == OFFSETS else j < Ld
+        out = gd_base + j[:, None] * sgd_l + kd[None, :]
+        tl.store(out, acc.to(GD.dtype.element_ty), mask=j_store[:, None] & kd_ok[None, :])
+
+
 @triton.jit(
     do_not_specialize=[
         "n_queries", "Nq", "K", "K_dd", "P", "Lq", "Ld", "n_qseq", "n_qrows", "n_dseq", "n_drows", "sqs", "sds_b",
@@ -343,6 +384,7 @@ def maxsim_bwd_kernel(
     Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr, SHARED_DOCS: tl.constexpr,
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     DQ_GATHER: tl.constexpr, DD_OWNED: tl.constexpr, SCAN_Q: tl.constexpr, SCAN_D: tl.constexpr,
+    DOC_WALK: tl.constexpr,
 ):  # fmt: skip
     """The gather-and-own backward in one launch: programs ``[0, n_dq)`` compute dQ by the gather (``DQ_GATHER``),
     the rest own blocks of dD (``DD_OWNED``); either side may be absent (a long pair list's dQ and the fast cross
@@ -350,7 +392,9 @@ def maxsim_bwd_kernel(
     is made of host time, and each launch is several microseconds of it.
 
     Pair-grid sizes: ``K`` is the score grid's (a pair list: ``P``) for the gather; ``Nq``, ``K_dd`` (documents of
-    a pair list) and ``P`` for the owner."""
+    a pair list) and ``P`` for the owner. ``DOC_WALK``: every document was scored by one query of at most
+    ``TQ`` tokens (candidates, aligned pairs); its owner programs are one per (document, dim block), see
+    :func:`_dd_doc_program`."""
     pid = tl.program_id(0)
     # (a launch of one side tests nothing: the branch costs a dQ-only variant ~35 registers, a program per SM)
     gather = pid < n_dq if DQ_GATHER and DD_OWNED else DQ_GATHER
@@ -363,7 +407,14 @@ def maxsim_bwd_kernel(
                 SCAN_Q,
             )  # fmt: skip
     else:
-        if DD_OWNED:
+        if DD_OWNED and DOC_WALK:
+            _dd_doc_program(
+                pid - n_dq, G, ARG, Q, INV_Q, GD, QSEG, DSEG,
+                K_dd, Lq, Ld, dim, n_qseq, n_qrows, n_dseq, n_drows, sq_n, sq_l, sgd_b, sgd_k, sgd_l,
+                sqs, sds_b, sds_k, sg, n_jb, n_kb, TQ, BN, BLOCK_K, Q_KIND, D_KIND,
+                NORMALIZE, DOT_PRECISION, UPCAST,
+            )  # fmt: skip
+        elif DD_OWNED:
             _dd_program(
                 pid - n_dq, G, ARG, Q, INV_Q, GD, QSEG, DSEG, PQ, PD, DOFF, DPERM,
                 Nq, K_dd, P, Lq, Ld, dim, n_qseq, n_qrows, n_dseq, n_drows, sq_n, sq_l, sgd_b, sgd_k, sgd_l,

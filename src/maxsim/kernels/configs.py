@@ -80,6 +80,9 @@ def forward_config(Lq: int, dim: int, Nq: int, shared_docs: bool, need_argmax: b
     return ForwardConfig(TQ, BQ, block_n, block_k, num_k, num_warps, 3, persist=persist)
 
 
+CANDIDATE_OWNER_BLOCK_K = 64  # dims per dD owner program of a candidate document (see backward_config)
+
+
 @lru_cache(maxsize=256)
 def backward_config(Lq: int, dim: int, candidates: bool = False) -> BackwardConfig:
     """``candidates``: every document is scored by one query, dense (per-query candidates, aligned pairs)."""
@@ -93,5 +96,5 @@ def backward_config(Lq: int, dim: int, candidates: bool = False) -> BackwardConf
     # the programs resident (H100: candidates 256x16 Ld300 269 -> 253 us). A shared document's owner walks every
     # query, and re-reading them for a second dim block costs more (256x256 Ld300 1.34 -> 1.47 ms); a pair list's
     # owners would scan its pair ids twice as often.
-    block_k = min(dim_p, 64 if candidates else 128)
+    block_k = min(dim_p, CANDIDATE_OWNER_BLOCK_K if candidates else 128)
     return BackwardConfig(bt, dim_p, tq, 64, block_k, 4)

@@ -370,7 +370,11 @@ def _backward_plan(
     n_kb = triton_cdiv(dim, cfg.BLOCK_K)
     n_owned = n_docs if sg.d_kind == OFFSETS else Bd * K
     scan_d = dd_owned and sg.pairs and n_owned * n_jb * n_kb * n_pairs <= PAIR_SCAN_MAX_WORK
-    n_dd = n_owned * n_jb * n_kb if dd_owned else 0
+    # A document that one short query scored is owned by one program per dim block, walking its token blocks (a
+    # block's work is one query's: a program per block would mostly wait on its loads). With longer queries the
+    # walk would reload them per block (H100: candidates 64x8 Lq128 Ld300 backward 62 -> 69 us): a program each.
+    doc_walk = not shared and not sg.pairs and Lq <= cfg.TQ
+    n_dd = (n_owned * (1 if doc_walk else n_jb) * n_kb) if dd_owned else 0
     direct_d = not normalize and (dd_owned or D.dtype == torch.float32)
     dd_sc = None if dd_owned else scatter(False, _q_strides(Q), _d_strides(torch.empty(D.shape, device="meta"), shared))
     ints = (
@@ -380,7 +384,7 @@ def _backward_plan(
     constexprs = dict(
         BT=cfg.BT, DIM_P=cfg.DIM_P, TQ=cfg.TQ, BN=cfg.BN, BLOCK_K=cfg.BLOCK_K, **kinds,
         PAIR_LIST=sg.pairs, SHARED_DOCS=shared, NORMALIZE=normalize, DOT_PRECISION=_dot_precision(Q.dtype),
-        UPCAST=_upcast(Q.dtype), SCAN_Q=scan_q, SCAN_D=scan_d,
+        UPCAST=_upcast(Q.dtype), SCAN_Q=scan_q, SCAN_D=scan_d, DOC_WALK=doc_walk,
     )  # fmt: skip
     # Both sides in one launch (H100, GPU time of the backward: candidates 64x32 Lq32 Ld180 100 -> 76 us, as fast as
     # two launches elsewhere), and one launch fewer of host time, which is what a small step is made of.
