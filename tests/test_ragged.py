@@ -423,9 +423,18 @@ def _case_ids(cases):
     return [f"{i}-{c.dtype}{'-exact' if c.exact else ''}" for i, (c, _) in enumerate(cases)]
 
 
+@pytest.mark.parametrize("dd", ["owned", "atomics"])
 @pytest.mark.parametrize("case,keep", VARLEN_CASES, ids=_case_ids(VARLEN_CASES))
-def test_varlen_cases(case, keep, backend, device):
+def test_varlen_cases(case, keep, dd, backend, device, monkeypatch):
+    """``dd``: the Triton backward owns dD (small cross products, the default at these sizes) or adds it with
+    atomics into an fp32 buffer that its gather programs zero first (large ones; forced here)."""
     keep_under_interpreter(keep, backend, device)
+    if dd == "atomics":
+        if backend != "triton":
+            pytest.skip("the owner/atomics choice is the Triton backward's")
+        from maxsim.kernels import launch
+
+        monkeypatch.setattr(launch, "SHARED_OWNER_MAX_WORK", 0)  # (a plan key: no stale plan is reused)
     check_ragged(case, device)
 
 

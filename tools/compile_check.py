@@ -128,7 +128,12 @@ def main() -> None:
                         a = torch.zeros(Q.shape[0], D.shape[1], lq, dtype=torch.int32)
                         g = torch.ones(Q.shape[0], D.shape[1])
                         for det in (False, True):
-                            launch.backward(g, Q, D, a, normalize, det)
+                            for owner_limit in (launch.SHARED_OWNER_MAX_WORK, 0):  # owned dD, then atomics
+                                launch.SHARED_OWNER_MAX_WORK, before = owner_limit, launch.SHARED_OWNER_MAX_WORK
+                                launch._bplans.clear()
+                                launch.backward(g, Q, D, a, normalize, det)
+                                launch.SHARED_OWNER_MAX_WORK = before
+                                launch._bplans.clear()
                 # ragged: varlen cross, pair list, padded with lengths
                 cu_q, cu_d = offsets([3, lq, 1, 0]), offsets([5, 40, 0, 7, 9])
                 Qp, Dp = torch.randn(int(cu_q[-1]), dim, dtype=dt), torch.randn(int(cu_d[-1]), dim, dtype=dt)
