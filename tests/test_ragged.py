@@ -427,7 +427,7 @@ def _case_ids(cases):
 @pytest.mark.parametrize("case,keep", VARLEN_CASES, ids=_case_ids(VARLEN_CASES))
 def test_varlen_cases(case, keep, dd, backend, device, monkeypatch):
     """``dd``: the Triton backward owns dD (small cross products, the default at these sizes) or adds it with
-    atomics into an fp32 buffer that its gather programs zero first (large ones; forced here)."""
+    atomics into a zeroed fp32 buffer (large ones; forced here)."""
     keep_under_interpreter(keep, backend, device)
     if dd == "atomics":
         if backend != "triton":

@@ -363,24 +363,10 @@ def _dd_doc_program(
         tl.store(out, acc.to(GD.dtype.element_ty), mask=j_store[:, None] & kd_ok[None, :])
 
 
-ZERO_BLOCK = tl.constexpr(1024)
-
-
-@triton.jit
-def _zero_share(X, pid, n_programs, n):
-    """Program ``pid`` of ``n_programs`` stores zeros into its share of the ``n`` contiguous elements of ``X``."""
-    share = tl.cdiv(tl.cdiv(n, n_programs), ZERO_BLOCK) * ZERO_BLOCK
-    lo = pid.to(tl.int64) * share
-    hi = tl.minimum(lo + share, n)
-    for off in range(lo, hi, ZERO_BLOCK):
-        idx = off + tl.arange(0, ZERO_BLOCK)
-        tl.store(X + idx, tl.zeros([ZERO_BLOCK], dtype=X.dtype.element_ty), mask=idx < hi)
-
-
 @triton.jit(
     do_not_specialize=[
         "n_queries", "Nq", "K", "K_dd", "P", "Lq", "Ld", "n_qseq", "n_qrows", "n_dseq", "n_drows", "sqs", "sds_b",
-        "sds_k", "sg", "n_tb", "n_jb", "n_kb", "n_dq", "n_zero",
+        "sds_k", "sg", "n_tb", "n_jb", "n_kb", "n_dq",
     ]
 )  # fmt: skip
 def maxsim_bwd_kernel(
@@ -392,13 +378,13 @@ def maxsim_bwd_kernel(
     sdq_n, sdq_l,
     sgd_b, sgd_k, sgd_l,
     sqs, sds_b, sds_k, sg,
-    n_tb, n_jb, n_kb, n_dq, n_zero,
+    n_tb, n_jb, n_kb, n_dq,
     BT: tl.constexpr, DIM_P: tl.constexpr, UNROLL: tl.constexpr, TQ: tl.constexpr, BN: tl.constexpr,
     BLOCK_K: tl.constexpr,
     Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr, SHARED_DOCS: tl.constexpr,
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     DQ_GATHER: tl.constexpr, DD_OWNED: tl.constexpr, SCAN_Q: tl.constexpr, SCAN_D: tl.constexpr,
-    DOC_WALK: tl.constexpr, ZERO_GD: tl.constexpr,
+    DOC_WALK: tl.constexpr,
 ):  # fmt: skip
     """The gather-and-own backward in one launch: programs ``[0, n_dq)`` compute dQ by the gather (``DQ_GATHER``),
     the rest own blocks of dD (``DD_OWNED``); either side may be absent (a long pair list's dQ and the fast cross
@@ -408,14 +394,11 @@ def maxsim_bwd_kernel(
     Pair-grid sizes: ``K`` is the score grid's (a pair list: ``P``) for the gather; ``Nq``, ``K_dd`` (documents of
     a pair list) and ``P`` for the owner. ``DOC_WALK``: every document was scored by one query of at most
     ``TQ`` tokens (candidates, aligned pairs); its owner programs are one per (document, dim block), see
-    :func:`_dd_doc_program`. ``ZERO_GD`` (gather only): ``GD`` is the fp32 buffer of ``n_zero`` elements that a later
-    scatter launch adds dD into; the gather programs zero it first, one fill launch fewer per step."""
+    :func:`_dd_doc_program`."""
     pid = tl.program_id(0)
     # (a launch of one side tests nothing: the branch costs a dQ-only variant ~35 registers, a program per SM)
     gather = pid < n_dq if DQ_GATHER and DD_OWNED else DQ_GATHER
     if gather:
-        if ZERO_GD:
-            _zero_share(GD, pid, n_dq, n_zero)
         if DQ_GATHER:
             _dq_program(
                 pid, G, ARG, D, INV_D, DQ, QSEG, DSEG, PQ, PD, QOFF, QPERM,

@@ -392,12 +392,10 @@ def _backward_plan(
     # at 186 registers instead of 40); sharing a launch with the owner it takes one at a time, which leaves the
     # owner's programs their occupancy.
     unroll = DQ_UNROLL if not n_dd else FUSED_DQ_UNROLL
-    # The fp32 buffer of a dD scatter is zeroed by the gather's programs (one fill launch fewer).
-    zero_gd = dd_sc is not None and n_dq > 0
     main = (
         n_dq + n_dd,
-        (*ints, n_dq, D.numel() if zero_gd else 0),
-        dict(constexprs, UNROLL=unroll, DQ_GATHER=n_dq > 0, DD_OWNED=n_dd > 0, ZERO_GD=zero_gd),
+        (*ints, n_dq),
+        dict(constexprs, UNROLL=unroll, DQ_GATHER=n_dq > 0, DD_OWNED=n_dd > 0),
     )
     return _BackwardPlan(
         grad_contiguous, dq_scatter, torch.float32 if (normalize or dq_scatter) else Q.dtype,
@@ -452,13 +450,7 @@ def backward(
         _bwd_scatter(grid, (grad, argmax, dQ, D, inv_d, *segs), ints, constexprs, nw)
     else:
         dQ = torch.empty(Q.shape, dtype=plan.dq_dtype, device=Q.device)
-    zero_gd = plan.main[2]["ZERO_GD"]
-    if plan.dd_owned:
-        gd = torch.empty(D.shape, dtype=plan.dd_dtype, device=D.device)
-    elif zero_gd:  # (the main launch zeroes it)
-        gd = torch.empty(D.shape, dtype=torch.float32, device=D.device)
-    else:
-        gd = None
+    gd = torch.empty(D.shape, dtype=plan.dd_dtype, device=D.device) if plan.dd_owned else None
     q_off, q_order = csr(rg.pair_q, plan.n_queries) if plan.q_csr else (grad, grad)  # (else unused)
     d_off, d_order = csr(rg.pair_d, plan.n_docs) if plan.d_csr else (grad, grad)
     grid, ints, constexprs = plan.main
@@ -466,11 +458,10 @@ def backward(
         tensors = (grad, argmax, Q, D, inv_q, inv_d, dQ, grad if gd is None else gd, *segs, q_off, q_order, d_off,
                    d_order)  # fmt: skip
         _bwd(grid, tensors, ints, constexprs, nw, 3, plan.launches)
-    if not plan.dd_owned:
+    if gd is None:
         # (after the gather, whose argmax reads are still in L2 for the scatter: H100, 256x256 Ld300 training step
         # 1.079 ms with the scatter first, 1.060 ms after, in-process A/B against 50d67b8 at 1.041 / 1.061 ms)
-        if gd is None:
-            gd = torch.zeros(D.shape, dtype=torch.float32, device=D.device)
+        gd = torch.zeros(D.shape, dtype=torch.float32, device=D.device)
         grid, ints, constexprs = plan.dd_sc
         _bwd_scatter(grid, (grad, argmax, Q, gd, inv_q, *segs), ints, constexprs, nw)
 
