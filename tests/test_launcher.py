@@ -183,3 +183,16 @@ def test_backward_plans_describe_every_call_exactly(monkeypatch):
                 launch.backward(*case)
                 assert calls == fresh[limit, i], (limit, i)
     assert len(launch._bplans) < 2 * len(cases)  # plans were shared where the keys agree
+
+
+def test_persistent_split_weighs_resident_one_document_programs():
+    """Packed queries against shared documents (one persistent program per multiprocessor): long documents go one
+    to a program, where the hardware keeps two resident; short ones are still walked several to a program."""
+    from maxsim.kernels import launch
+
+    base, K, sms = 8, 64, 132  # 64 queries in blocks of 8 against 64 documents
+    gain = launch.ONE_DOC_GAIN
+    assert launch._docs_per_program(base, K, sms, 16) == 4  # without the gain: 4 documents of 16 tiles each
+    assert launch._docs_per_program(base, K, sms, 16, gain) == 1  # Ld 1024 in 64-token tiles
+    assert launch._docs_per_program(base, K, sms, 2, gain) == 4  # Ld 128
+    assert launch._docs_per_program(32, 256, sms, 5, gain) > 1  # 256 x 256, Ld 300

@@ -1,6 +1,6 @@
 """Where the forward kernel's time goes, without hardware counters (GPU only).
 
-Usage: python tools/fwd_probe.py [--out FILE] [--skip-scan] [--skip-configs] [--backward]
+Usage: python tools/fwd_probe.py [--out FILE] [--skip-scan] [--skip-configs] [--backward] [--only SUBSTR]
 
 * Length scan: the cross product 256x256 Lq32 at several document lengths, with and without the argmax. The
   time's slope in document tiles is the cost of one tile (MMA + running max); its intercept is what every program
@@ -80,8 +80,26 @@ def length_scan(tflops: float) -> dict:
 CONFIGS = {
     # name: (Nq, K, Lq, Ld, dim, shared, argmax, [(TQ, BQ, BN, warps, stages, split, persist), ...]); the default
     # configuration is always timed first, and again with persist=0 where it is persistent.
-    "train-fwd cross 256x256 Lq32 Ld300": (256, 256, 32, 300, 128, True, True, [(32, 8, 64, 8, 2, False, 1)]),
-    "fwd corpus 32x65536 Lq32 Ld256": (32, 65536, 32, 256, 128, True, False, []),
+    "train-fwd cross 256x256 Lq32 Ld300": (256, 256, 32, 300, 128, True, True, [
+        (32, 8, 64, 8, 2, False, 1), (32, 4, 64, 4, 3, False, 1), (32, 4, 64, 8, 3, False, 1),
+        (32, 4, 32, 4, 3, False, 1), (32, 8, 32, 8, 3, False, 1), (32, 4, 128, 8, 3, False, 1),
+        (32, 8, 128, 8, 3, False, 1), (32, 4, 64, 4, 4, False, 1), (32, 2, 64, 4, 3, False, 1),
+        (32, 4, 64, 4, 3, False, 2), (32, 4, 64, 8, 3, False, 2), (32, 4, 32, 4, 3, False, 2),
+        (32, 8, 64, 8, 3, False, 2), (32, 8, 64, 8, 3, False, 3),
+    ]),
+    "train-fwd cross 64x64 Lq32 Ld1024": (64, 64, 32, 1024, 128, True, True, [
+        (32, 4, 64, 4, 3, False, 1), (32, 4, 64, 8, 3, False, 1), (32, 4, 32, 4, 3, False, 1),
+        (32, 8, 32, 8, 3, False, 1), (32, 4, 128, 8, 3, False, 1), (32, 2, 64, 4, 3, False, 1),
+        (32, 4, 64, 4, 3, False, 2), (32, 4, 64, 8, 3, False, 2), (32, 8, 64, 8, 3, False, 2),
+        (32, 8, 64, 8, 3, False, 3),
+    ]),
+    "fwd cross 128x128 Lq32 Ld300": (128, 128, 32, 300, 128, True, False, [
+        (32, 8, 64, 8, 3, False, 2), (32, 8, 64, 8, 3, False, 3),
+    ]),
+    "train-fwd cross 64x64 Lq32 Ld128": (64, 64, 32, 128, 128, True, True, [(32, 8, 64, 8, 3, False, 2)]),
+    "fwd corpus 32x65536 Lq32 Ld256": (32, 65536, 32, 256, 128, True, False, [
+        (32, 8, 64, 8, 3, False, 2), (32, 8, 64, 8, 3, False, 3),
+    ]),
     "train-fwd cross 32x32 Lq1024 Ld1024": (32, 32, 1024, 1024, 128, True, True, [
         (128, 1, 64, 4, 3, True, 0), (64, 1, 64, 4, 3, True, 0), (64, 1, 32, 4, 3, True, 0),
         (64, 1, 64, 4, 2, True, 0), (128, 1, 32, 8, 3, True, 0), (128, 1, 32, 4, 3, True, 2),
@@ -116,9 +134,11 @@ CONFIGS = {
 # fmt: on
 
 
-def config_table() -> dict:
+def config_table(only: str | None = None) -> dict:
     res = {}
     for name, (Nq, K, Lq, Ld, dim, shared, arg, cfgs) in CONFIGS.items():
+        if only and only not in name:
+            continue
         Q = torch.randn(Nq, Lq, dim, device="cuda", dtype=torch.bfloat16)
         D = torch.randn(1 if shared else Nq, K, Ld, dim, device="cuda", dtype=torch.bfloat16)
         default = forward_config(Lq, dim, Nq, shared, arg)
@@ -179,6 +199,7 @@ def main() -> None:
     ap.add_argument("--skip-scan", action="store_true")
     ap.add_argument("--skip-configs", action="store_true")
     ap.add_argument("--backward", action="store_true")
+    ap.add_argument("--only", default=None, help="config-table rows whose name contains this")
     a = ap.parse_args()
     tf = matmul_tflops()
     print(f"{torch.cuda.get_device_name()}: bf16 matmul {tf:.0f} TFLOP/s", flush=True)
@@ -188,7 +209,7 @@ def main() -> None:
     if a.backward:
         out["backward"] = backward_table()
     if not a.skip_configs:
-        out["configs"] = config_table()
+        out["configs"] = config_table(a.only)
     out["compiled"] = compiled_stats()
     for k, v in out["compiled"].items():
         print(f"compiled {k}: {v}")

@@ -39,6 +39,9 @@ SHARED_OWNER_MAX_WORK = 1 << 31
 # _backward_plan).
 DQ_UNROLL = 4
 FUSED_DQ_UNROLL = 1
+# How much faster one-document programs run than a persistent plan of one program per multiprocessor counts them
+# (two stay resident; see forward). Fitted to the H100 measurements there: any value in (1.13, 1.8) orders them.
+ONE_DOC_GAIN = 1.3
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -139,16 +142,20 @@ def _sm_count(device: torch.device) -> int:
     return n
 
 
-def _docs_per_program(base: int, K: int, slots: int, tiles: int) -> int:
+def _docs_per_program(base: int, K: int, slots: int, tiles: int, one_doc_gain: float = 1.0) -> int:
     """How many consecutive documents of ``tiles`` tiles each the ``base`` (query block, row split) programs of a
     persistent launch walk, for ``slots`` programs resident at once: the split that minimizes the busiest
     multiprocessor's load, waves x (tiles per program + 3), the 3 being what a program costs besides its tiles
-    (query load, pipeline fill, in tiles; tools/fwd_probe.py on an H100). 1 means: no persistent launch."""
+    (query load, pipeline fill, in tiles; tools/fwd_probe.py on an H100). 1 means: no persistent launch, whose
+    cost is divided by ``one_doc_gain`` where the hardware keeps more of those programs resident than ``slots``
+    counts (they then overlap one's MMA with another's running max)."""
     best_cost, best_docs = None, 1
     for waves in [*range(1, 9), triton_cdiv(base * K, slots)]:
         n_kprogs = max(1, min(K, waves * slots // base))
         docs = triton_cdiv(K, n_kprogs)
         cost = triton_cdiv(base * triton_cdiv(K, docs), slots) * (docs * tiles + 3)
+        if docs == 1:
+            cost /= one_doc_gain
         if best_cost is None or cost < best_cost:
             best_cost, best_docs = cost, docs
     return best_docs
@@ -219,7 +226,12 @@ def forward(
     docs_per_prog = 1
     if cfg.persist and not sg.pairs and sg.d_kind == DENSE and cfg.NUM_K == 1 and rows_per_prog <= cfg.TQ:
         slots = _sm_count(Q.device) * cfg.persist
-        docs_per_prog = _docs_per_program(n_qblocks * n_rsplit, K, slots, triton_cdiv(Ld, cfg.BLOCK_N))
+        # A persistent launch planned one program to a multiprocessor (packed queries) loses the two that the
+        # hardware keeps resident when each program takes one document: H100, training forward of 64x64 Lq32 Ld1024
+        # (4 documents of 16 tiles per persistent program) 0.103 ms, one document per program 0.095 ms; with short
+        # documents persistence still wins (64x64 Ld128 0.025 against 0.032 ms, 256x256 Ld300 0.54 against 0.62).
+        gain = ONE_DOC_GAIN if cfg.persist == 1 else 1.0
+        docs_per_prog = _docs_per_program(n_qblocks * n_rsplit, K, slots, triton_cdiv(Ld, cfg.BLOCK_N), gain)
     plan = _ForwardPlan(
         Nq, K, Lq, n_rsplit,
         n_qblocks * n_rsplit * triton_cdiv(K, docs_per_prog),
