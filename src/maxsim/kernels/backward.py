@@ -263,102 +263,87 @@ def _dd_program(
     TQ: tl.constexpr, BN: tl.constexpr, BLOCK_K: tl.constexpr,
     Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr, SHARED_DOCS: tl.constexpr,
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PAIR_SCAN: tl.constexpr,
+    DOC_WALK: tl.constexpr,
 ):  # fmt: skip
-    """dD of one (document, token block, dim block), owned: no atomics, a fixed order of the sum."""
+    """dD of one (document, token block, dim block), owned: no atomics, a fixed order of the sum.
+
+    ``DOC_WALK``: the document was scored by one query of at most ``TQ`` tokens (per-query candidates, aligned
+    pairs); the program owns the whole (document, dim block): it loads the query's argmax and rows once, then
+    writes the document's token blocks in turn, an MMA and a store each. (One program per token block spent most
+    of its life waiting on those loads: H100, backward of candidates 256x16 Lq32 Ld300 244 -> 118 us.)"""
     kb = pid % n_kb
-    jb = (pid // (n_kb)) % n_jb
-    doc = (pid // (n_kb * n_jb)).to(tl.int64)
+    if DOC_WALK:
+        doc = (pid // n_kb).to(tl.int64)
+    else:
+        jb = (pid // (n_kb)) % n_jb
+        doc = (pid // (n_kb * n_jb)).to(tl.int64)
     b = doc // K
     kk = doc % K
     gd_base, _gd_tok0, d_len, _d_bad = doc_segment(
         GD, DSEG, b, kk, K, Ld, n_dseq, n_drows, sgd_b, sgd_k, sgd_l, sds_b, sds_k, D_KIND
     )
-    j = jb * BN + tl.arange(0, BN)
-    kd = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-    kd_ok = kd < dim
-    acc = tl.zeros([BN, BLOCK_K], dtype=tl.float32)
-    n_tq = tl.cdiv(Lq, TQ)
-    # A block of document tokens past the document's end was chosen by no query token: skip the pair walk.
-    if jb * BN < d_len:
-        # Which pairs scored this document, in a fixed order: every query (shared documents), its one query (per-query
-        # candidates), or the pairs listed for it (pair list: found by a scan of all P pair ids when the list is
-        # short, else through the CSR index by document).
-        if PAIR_SCAN:
-            for c0 in range(0, P, SCAN):
-                cols = c0 + tl.arange(0, SCAN)
-                mine = tl.load(PD + cols, mask=cols < P, other=-1) == kk
-                n_mine = tl.sum(mine.to(tl.int32), 0)
-                if n_mine > 0:
-                    rank = tl.cumsum(mine.to(tl.int32), 0)
-                    for h in range(0, n_mine):
-                        p = tl.sum(tl.where(mine & (rank == h + 1), cols, 0), 0).to(tl.int64)
-                        for s in range(p * n_tq, (p + 1) * n_tq):
-                            a, qt, w = _dd_load(
-                                s, n_tq, K, kk, G, ARG, Q, INV_Q, QSEG, PQ, DPERM,
-                                Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, sg, kd, kd_ok, TQ, Q_KIND, WALK_PAIRS, NORMALIZE,
-                            )  # fmt: skip
-                            acc = _dd_add(acc, a, qt, w, j, NORMALIZE, DOT_PRECISION, UPCAST)
-        else:
-            if PAIR_LIST:
-                e_lo = tl.load(DOFF + kk).to(tl.int64)
-                e_hi = tl.load(DOFF + kk + 1).to(tl.int64)
-            elif SHARED_DOCS:
-                e_lo = b * 0
-                e_hi = b * 0 + Nq
-            else:
-                e_lo = b
-                e_hi = b + 1
-            # One flat loop over (entry, query-token block) steps, nothing nested, so that the compiler pipelines it
-            # (it prefetches the argmax of the next steps).
-            for s in range(e_lo * n_tq, e_hi * n_tq):
-                a, qt, w = _dd_load(
-                    s, n_tq, K, kk, G, ARG, Q, INV_Q, QSEG, PQ, DPERM,
-                    Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, sg, kd, kd_ok, TQ, Q_KIND,
-                    WALK_CSR if PAIR_LIST else WALK_QUERIES, NORMALIZE,
-                )  # fmt: skip
-                acc = _dd_add(acc, a, qt, w, j, NORMALIZE, DOT_PRECISION, UPCAST)
-    j_store = j < d_len if D_KIND == OFFSETS else j < Ld  # padding rows get their (zero) gradient too
-    out = gd_base + j[:, None] * sgd_l + kd[None, :]
-    tl.store(out, acc.to(GD.dtype.element_ty), mask=j_store[:, None] & kd_ok[None, :])
-
-
-@triton.jit
-def _dd_doc_program(
-    pid, G, ARG, Q, INV_Q, GD, QSEG, DSEG,
-    K, Lq, Ld, dim,
-    n_qseq, n_qrows, n_dseq, n_drows,
-    sq_n, sq_l,
-    sgd_b, sgd_k, sgd_l,
-    sqs, sds_b, sds_k, sg,
-    n_jb, n_kb,
-    TQ: tl.constexpr, BN: tl.constexpr, BLOCK_K: tl.constexpr,
-    Q_KIND: tl.constexpr, D_KIND: tl.constexpr,
-    NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-):  # fmt: skip
-    """dD of one (document, dim block) of a document that one query of at most ``TQ`` tokens scored (per-query
-    candidates, aligned pairs): the query's argmax and rows are loaded once, then the program writes the document's
-    token blocks in turn, an MMA and a store each. (One program per token block spent most of its life waiting
-    on those loads: H100, backward of candidates 256x16 Lq32 Ld300 244 -> 118 us.)"""
-    kb = pid % n_kb
-    doc = (pid // n_kb).to(tl.int64)
-    b = doc // K
-    kk = doc % K
-    gd_base, _gd_tok0, d_len, _d_bad = doc_segment(
-        GD, DSEG, b, kk, K, Ld, n_dseq, n_drows, sgd_b, sgd_k, sgd_l, sds_b, sds_k, D_KIND
-    )
-    kd = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-    kd_ok = kd < dim
-    a, qt, w = _dd_load(
-        b, 1, K, kk, G, ARG, Q, INV_Q, QSEG, QSEG, QSEG,
-        Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, sg, kd, kd_ok, TQ, Q_KIND, WALK_QUERIES, NORMALIZE,
-    )  # fmt: skip
-    n_stored = tl.cdiv(d_len, BN) if D_KIND == OFFSETS else n_jb  # padding rows get their (zero) gradient too
-    for jb in range(0, n_stored):
+    if not DOC_WALK:
         j = jb * BN + tl.arange(0, BN)
+    kd = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    kd_ok = kd < dim
+    if DOC_WALK:
+        a, qt, w = _dd_load(
+            b, 1, K, kk, G, ARG, Q, INV_Q, QSEG, PQ, DPERM,
+            Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, sg, kd, kd_ok, TQ, Q_KIND, WALK_QUERIES, NORMALIZE,
+        )  # fmt: skip
+        n_stored = tl.cdiv(d_len, BN) if D_KIND == OFFSETS else n_jb  # padding rows get their (zero) gradient too
+        for jb in range(0, n_stored):
+            j = jb * BN + tl.arange(0, BN)
+            acc = tl.zeros([BN, BLOCK_K], dtype=tl.float32)
+            if jb * BN < d_len:  # (past the document's end: chosen by no token, and no NaN of w spread there)
+                acc = _dd_add(acc, a, qt, w, j, NORMALIZE, DOT_PRECISION, UPCAST)
+            j_store = j < d_len if D_KIND == OFFSETS else j < Ld
+            out = gd_base + j[:, None] * sgd_l + kd[None, :]
+            tl.store(out, acc.to(GD.dtype.element_ty), mask=j_store[:, None] & kd_ok[None, :])
+    else:
         acc = tl.zeros([BN, BLOCK_K], dtype=tl.float32)
-        if jb * BN < d_len:  # (past the document's end: chosen by no token, and no NaN of w spread there)
-            acc = _dd_add(acc, a, qt, w, j, NORMALIZE, DOT_PRECISION, UPCAST)
-        j_store = j < d_len if D_KIND == OFFSETS else j < Ld
+        n_tq = tl.cdiv(Lq, TQ)
+        # A block of document tokens past the document's end was chosen by no query token: skip the pair walk.
+        if jb * BN < d_len:
+            # Which pairs scored this document, in a fixed order: every query (shared documents), its one query
+            # (per-query candidates), or the pairs listed for it (pair list: found by a scan of all P pair ids when
+            # the list is short, else through the CSR index by document).
+            if PAIR_SCAN:
+                for c0 in range(0, P, SCAN):
+                    cols = c0 + tl.arange(0, SCAN)
+                    mine = tl.load(PD + cols, mask=cols < P, other=-1) == kk
+                    n_mine = tl.sum(mine.to(tl.int32), 0)
+                    if n_mine > 0:
+                        rank = tl.cumsum(mine.to(tl.int32), 0)
+                        for h in range(0, n_mine):
+                            p = tl.sum(tl.where(mine & (rank == h + 1), cols, 0), 0).to(tl.int64)
+                            for s in range(p * n_tq, (p + 1) * n_tq):
+                                a, qt, w = _dd_load(
+                                    s, n_tq, K, kk, G, ARG, Q, INV_Q, QSEG, PQ, DPERM,
+                                    Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, sg, kd, kd_ok, TQ, Q_KIND, WALK_PAIRS,
+                                    NORMALIZE,
+                                )  # fmt: skip
+                                acc = _dd_add(acc, a, qt, w, j, NORMALIZE, DOT_PRECISION, UPCAST)
+            else:
+                if PAIR_LIST:
+                    e_lo = tl.load(DOFF + kk).to(tl.int64)
+                    e_hi = tl.load(DOFF + kk + 1).to(tl.int64)
+                elif SHARED_DOCS:
+                    e_lo = b * 0
+                    e_hi = b * 0 + Nq
+                else:
+                    e_lo = b
+                    e_hi = b + 1
+                # One flat loop over (entry, query-token block) steps, nothing nested, so that the compiler pipelines it
+                # (it prefetches the argmax of the next steps).
+                for s in range(e_lo * n_tq, e_hi * n_tq):
+                    a, qt, w = _dd_load(
+                        s, n_tq, K, kk, G, ARG, Q, INV_Q, QSEG, PQ, DPERM,
+                        Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, sg, kd, kd_ok, TQ, Q_KIND,
+                        WALK_CSR if PAIR_LIST else WALK_QUERIES, NORMALIZE,
+                    )  # fmt: skip
+                    acc = _dd_add(acc, a, qt, w, j, NORMALIZE, DOT_PRECISION, UPCAST)
+        j_store = j < d_len if D_KIND == OFFSETS else j < Ld  # padding rows get their (zero) gradient too
         out = gd_base + j[:, None] * sgd_l + kd[None, :]
         tl.store(out, acc.to(GD.dtype.element_ty), mask=j_store[:, None] & kd_ok[None, :])
 
@@ -394,7 +379,7 @@ def maxsim_bwd_kernel(
     Pair-grid sizes: ``K`` is the score grid's (a pair list: ``P``) for the gather; ``Nq``, ``K_dd`` (documents of
     a pair list) and ``P`` for the owner. ``DOC_WALK``: every document was scored by one query of at most
     ``TQ`` tokens (candidates, aligned pairs); its owner programs are one per (document, dim block), see
-    :func:`_dd_doc_program`."""
+    :func:`_dd_program`."""
     pid = tl.program_id(0)
     # (a launch of one side tests nothing: the branch costs a dQ-only variant ~35 registers, a program per SM)
     gather = pid < n_dq if DQ_GATHER and DD_OWNED else DQ_GATHER
@@ -407,17 +392,10 @@ def maxsim_bwd_kernel(
                 SCAN_Q,
             )  # fmt: skip
     else:
-        if DD_OWNED and DOC_WALK:
-            _dd_doc_program(
-                pid - n_dq, G, ARG, Q, INV_Q, GD, QSEG, DSEG,
-                K_dd, Lq, Ld, dim, n_qseq, n_qrows, n_dseq, n_drows, sq_n, sq_l, sgd_b, sgd_k, sgd_l,
-                sqs, sds_b, sds_k, sg, n_jb, n_kb, TQ, BN, BLOCK_K, Q_KIND, D_KIND,
-                NORMALIZE, DOT_PRECISION, UPCAST,
-            )  # fmt: skip
-        elif DD_OWNED:
+        if DD_OWNED:
             _dd_program(
                 pid - n_dq, G, ARG, Q, INV_Q, GD, QSEG, DSEG, PQ, PD, DOFF, DPERM,
                 Nq, K_dd, P, Lq, Ld, dim, n_qseq, n_qrows, n_dseq, n_drows, sq_n, sq_l, sgd_b, sgd_k, sgd_l,
                 sqs, sds_b, sds_k, sg, n_jb, n_kb, TQ, BN, BLOCK_K, Q_KIND, D_KIND, PAIR_LIST, SHARED_DOCS,
-                NORMALIZE, DOT_PRECISION, UPCAST, SCAN_D,
+                NORMALIZE, DOT_PRECISION, UPCAST, SCAN_D, DOC_WALK,
             )  # fmt: skip
