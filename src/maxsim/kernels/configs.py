@@ -94,7 +94,7 @@ def backward_config(Lq: int, dim: int, candidates: bool = False) -> BackwardConf
     tq = min(64, max(16, next_pow2(Lq)))
     # The dD owner of a candidate document holds a 64x64 accumulator: 115 registers instead of 224 at 64x128, twice
     # the programs resident (H100: candidates 256x16 Ld300 269 -> 253 us); with the document walk of backward.py's
-    # _dd_doc_program, 86 registers, and 128 dims no better (training step 256x16 1.02x). A shared document's owner
+    # _dd_program (DOC_WALK), 86 registers; 128 dims no better (training step 256x16 1.02x). A shared document's owner
     # walks every query, and re-reading them for a second dim block costs more (256x256 Ld300 1.34 -> 1.47 ms); a
     # pair list's owners would scan its pair ids twice as often.
     block_k = min(dim_p, CANDIDATE_OWNER_BLOCK_K if candidates else 128)
