@@ -57,7 +57,7 @@ def test_second_launch_is_direct_and_passes_every_argument(fake_gpu):
 
 @pytest.mark.parametrize(
     "change",
-    ["int", "dtype", "alignment", "constexpr", "warps"],
+    ["int", "dtype", "alignment", "constexpr", "warps", "registers"],
 )
 def test_anything_triton_specializes_on_goes_back_through_triton(fake_gpu, change):
     k = FakeKernel()
@@ -70,9 +70,35 @@ def test_anything_triton_specializes_on_goes_back_through_triton(fake_gpu, chang
         "alignment": ((x[1:],), (16,), {"BLOCK": 32}, 4),
         "constexpr": ((x,), (16,), {"BLOCK": 64}, 4),
         "warps": ((x,), (16,), {"BLOCK": 32}, 8),
+        "registers": ((x,), (16,), {"BLOCK": 32}, 4, 3, None, 128),
     }[change]
     lc(3, *args)
     assert [e[0] for e in k.log] == ["triton", "triton"]
+
+
+def test_register_cap_reaches_triton_only_when_set(fake_gpu):
+    k = FakeKernel()
+    lc = launcher.Launcher(k)
+    x = torch.zeros(16)
+    lc(3, (x,), (16,), {"BLOCK": 32}, 4)
+    lc(3, (x,), (16,), {"BLOCK": 32}, 4, 2, None, 128)
+    assert "maxnreg" not in k.log[0][3]
+    assert k.log[1][3] == {"BLOCK": 32, "num_warps": 4, "num_stages": 2, "maxnreg": 128}
+
+
+def test_long_query_argmax_forward_caps_registers():
+    """The argmax forward of long queries runs capped (four programs resident); the scores-only one does not (it
+    loses with the cap), nor does any packed configuration."""
+    from maxsim.kernels.configs import forward_config
+
+    train, infer = forward_config(1024, 128, 32, True, True), forward_config(1024, 128, 1, True, False)
+    assert (train.maxnreg, train.BLOCK_N, train.num_stages) == (128, 32, 2)
+    assert infer.maxnreg == 0
+    assert forward_config(1024, 256, 32, True, True).maxnreg == 0  # dim 256: two dim chunks, not measured
+    assert forward_config(1024, 128, 32, True, True, fp32=True).maxnreg == 0  # IEEE fp32 products would spill
+    assert all(
+        forward_config(32, 128, n, s, a).maxnreg == 0 for n in (1, 256) for s in (True, False) for a in (True, False)
+    )
 
 
 def test_plan_cache_launches_directly_and_follows_alignment(fake_gpu):

@@ -2,9 +2,10 @@
 
 The launch functions run on small CPU tensors with the launcher replaced by a compiler call (Triton's front end and
 ptxas, for ``sm_90``), so type and shape errors of the kernels show up here instead of on a lent GPU. Nothing is
-executed. Usage: ``python tools/compile_check.py [--full | --regs] [NAME=VALUE ...]`` (front end only; the whole
-pipeline through ptxas; that plus each variant's registers and spill bytes from ``ptxas -v``, which say how many
-programs fit on a multiprocessor); ``NAME=VALUE`` arguments keep only the variants whose kernel name
+executed. Usage: ``python tools/compile_check.py [--full | --regs | --sass] [NAME=VALUE ...]`` (front end only; the
+whole pipeline through ptxas; that plus each variant's registers and spill bytes from ``ptxas -v``, which say how
+many programs fit on a multiprocessor; that plus a histogram of the SASS instructions of each variant's innermost
+loops, from ``nvdisasm``); ``NAME=VALUE`` arguments keep only the variants whose kernel name
 (``kernel=maxsim_bwd_kernel``), constexprs (``SCAN_D=True``) or ``num_warps`` match. Exit status 1 if a variant
 fails.
 """
@@ -17,6 +18,8 @@ import sys
 import tempfile
 import time
 import traceback
+from collections import Counter
+from pathlib import Path
 
 import torch
 import triton
@@ -31,7 +34,8 @@ from maxsim.layout import Ragged
 TARGET = GPUTarget("cuda", 90, 32)
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
           torch.int64: "i64", torch.uint8: "u8"}  # fmt: skip
-REGS = "--regs" in sys.argv
+SASS = "--sass" in sys.argv
+REGS = "--regs" in sys.argv or SASS
 FULL = "--full" in sys.argv or REGS
 FILTERS = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
 seen: dict = {}
@@ -55,28 +59,46 @@ def front_end(src: ASTSource, options: dict) -> None:
     src.make_ir(TARGET, opts, backend.get_codegen_implementation(opts), backend.get_module_map(), context)
 
 
-def fake_call(self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None):
-    kernel = self.kernel
+def specialization(kernel, tensors: tuple, ints: tuple, constexprs: dict) -> tuple[dict, dict, dict]:
+    """``(signature, constexprs, attrs)`` as Triton's launcher specializes them on a GPU: 16-byte aligned pointers
+    and integers divisible by 16 marked ``tt.divisibility = 16`` (what makes loads and atomics vector-wide),
+    integers equal to 1 made constants, ``do_not_specialize`` parameters left alone."""
     names = kernel.arg_names
-    sig = {}
-    for name, t in zip(names, tensors, strict=False):
-        sig[name] = "*" + _TYPES[t.dtype]
-    for name, v in zip(names[len(tensors) :], ints, strict=False):
-        sig[name] = "i32" if -(2**31) <= v < 2**31 else "i64"
+    sig, consts, attrs = {}, dict(constexprs), {}
+    for i, t in enumerate(tensors):
+        sig[names[i]] = "*" + _TYPES[t.dtype]
+        if t.data_ptr() % 16 == 0:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    for i, v in enumerate(ints, start=len(tensors)):
+        sig[names[i]] = "i32" if -(2**31) <= v < 2**31 else "i64"
+        if kernel.params[i].do_not_specialize:
+            continue
+        if v == 1:
+            sig[names[i]], consts[names[i]] = "constexpr", 1
+        elif v % 16 == 0:
+            attrs[(i,)] = [["tt.divisibility", 16]]
     for name in constexprs:
         sig[name] = "constexpr"
-    key = (kernel.__name__, tuple(sig.items()), tuple(constexprs.items()), num_warps, num_stages)
+    return sig, consts, attrs
+
+
+def fake_call(self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0):
+    kernel = self.kernel
+    sig, consts, attrs = specialization(kernel, tensors, ints, constexprs)
+    key = (kernel.__name__, tuple(sig.items()), tuple(constexprs.items()), num_warps, num_stages, maxnreg)
     if key in seen or not wanted(kernel.__name__, constexprs, num_warps):
         return
     t0 = time.perf_counter()
     try:
-        src = ASTSource(kernel, sig, constexprs)
-        options = {"num_warps": num_warps, "num_stages": num_stages}
+        src = ASTSource(kernel, sig, consts, attrs)
+        options = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
         if FULL:
             compiled = triton.compile(src, target=TARGET, options=options)
             if REGS:
                 flags = {k: v for k, v in constexprs.items() if isinstance(v, bool | int)}
                 print(f"{kernel.__name__} warps={num_warps} {flags}: {ptxas_usage(compiled.asm['ptx'])}", flush=True)
+            if SASS:
+                print(f"  loop instructions: {loop_histogram(compiled.asm['cubin'])}", flush=True)
         else:
             front_end(src, options)
         seen[key] = time.perf_counter() - t0
@@ -86,14 +108,19 @@ def fake_call(self, grid, tensors, ints, constexprs, num_warps, num_stages=3, pl
         traceback.print_exc()
 
 
-def ptxas_usage(ptx: str) -> str:
-    """``N registers, M bytes spill stores`` of a PTX module for sm_90a (ptxas from Triton's wheel)."""
+def _ptxas() -> str:
+    """The ptxas of Triton's wheel (nvdisasm lies beside it)."""
     from triton.backends.nvidia import compiler as nv
 
     try:
-        ptxas = nv.get_ptxas(TARGET.arch).path
+        return nv.get_ptxas(TARGET.arch).path
     except TypeError:  # (older Triton: no architecture argument)
-        ptxas = nv.get_ptxas().path
+        return nv.get_ptxas().path
+
+
+def ptxas_usage(ptx: str) -> str:
+    """``N registers, M bytes spill stores`` of a PTX module for sm_90a (ptxas from Triton's wheel)."""
+    ptxas = _ptxas()
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
         f.flush()
@@ -102,6 +129,30 @@ def ptxas_usage(ptx: str) -> str:
     regs = re.search(r"Used (\d+) registers", out.stderr)
     spills = re.search(r"(\d+) bytes spill stores", out.stderr)
     return f"{regs.group(1) if regs else '?'} registers, {spills.group(1) if spills else '?'} bytes spill stores"
+
+
+def loop_histogram(cubin: bytes) -> list[tuple[str, int]]:
+    """Instruction counts (opcode without modifiers) of the loops that hold an MMA (``HGMMA``), or of every loop
+    when none does: the code between a label and the backward branch to it."""
+    disasm = Path(_ptxas()).with_name("nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        lines = subprocess.run([str(disasm), "-c", f.name], capture_output=True, text=True).stdout.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line))}
+    loops = []
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if m and labels.get(m.group(1), i) < i:
+            loops.append(lines[labels[m.group(1)] : i + 1])
+    mma = [body for body in loops if any("HGMMA" in x for x in body)]
+    counts = Counter(
+        m.group(1).split(".")[0]
+        for body in (mma or loops)
+        for x in body
+        if (m := re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", x))
+    )
+    return counts.most_common(12)
 
 
 def offsets(lengths: list[int]) -> torch.Tensor:

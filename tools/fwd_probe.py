@@ -78,8 +78,8 @@ def length_scan(tflops: float) -> dict:
 
 # fmt: off
 CONFIGS = {
-    # name: (Nq, K, Lq, Ld, dim, shared, argmax, [(TQ, BQ, BN, warps, stages, split, persist), ...]); the default
-    # configuration is always timed first, and again with persist=0 where it is persistent.
+    # name: (Nq, K, Lq, Ld, dim, shared, argmax, [(TQ, BQ, BN, warps, stages, split, persist[, maxnreg]), ...]); the
+    # default configuration is always timed first, and again with persist=0 where it is persistent.
     "train-fwd cross 256x256 Lq32 Ld300": (256, 256, 32, 300, 128, True, True, [
         (32, 8, 64, 8, 2, False, 1), (32, 4, 64, 4, 3, False, 1), (32, 4, 64, 8, 3, False, 1),
         (32, 4, 32, 4, 3, False, 1), (32, 8, 32, 8, 3, False, 1), (32, 4, 128, 8, 3, False, 1),
@@ -103,10 +103,19 @@ CONFIGS = {
     "train-fwd cross 32x32 Lq1024 Ld1024": (32, 32, 1024, 1024, 128, True, True, [
         (128, 1, 64, 4, 3, True, 0), (64, 1, 64, 4, 3, True, 0), (64, 1, 32, 4, 3, True, 0),
         (64, 1, 64, 4, 2, True, 0), (128, 1, 32, 8, 3, True, 0), (128, 1, 32, 4, 3, True, 2),
-        (64, 1, 64, 4, 3, True, 3),
+        (64, 1, 64, 4, 3, True, 3), (256, 1, 64, 8, 3, True, 0), (128, 2, 64, 8, 3, True, 0),
+        (256, 1, 32, 8, 3, True, 0), (128, 2, 32, 8, 3, True, 0), (64, 4, 64, 8, 3, True, 0),
+        (256, 1, 64, 8, 2, True, 0), (128, 2, 64, 8, 3, True, 1), (128, 2, 64, 8, 4, True, 0),
+        (128, 1, 64, 8, 3, True, 0), (128, 1, 128, 8, 3, True, 0), (128, 1, 32, 8, 2, True, 0),
+        (128, 1, 32, 8, 4, True, 0), (128, 1, 16, 4, 3, True, 0), (128, 1, 32, 4, 4, True, 0),
+        (128, 1, 32, 4, 3, True, 0, 128), (128, 1, 32, 4, 2, True, 0, 168), (128, 1, 64, 4, 3, True, 0, 168),
+        (128, 1, 64, 4, 3, True, 0),
     ]),
     "ColPali 1x500 Lq1024 Ld1024": (1, 500, 1024, 1024, 128, True, False, [
-        (64, 1, 64, 4, 3, True, 0), (64, 1, 64, 4, 3, True, 3),
+        (64, 1, 64, 4, 3, True, 0), (64, 1, 64, 4, 3, True, 3), (256, 1, 64, 8, 3, True, 0),
+        (256, 1, 32, 8, 3, True, 0), (256, 1, 128, 8, 3, True, 0), (128, 1, 32, 8, 3, True, 0),
+        (128, 1, 64, 8, 3, True, 0), (128, 1, 128, 8, 3, True, 0), (128, 1, 64, 4, 2, True, 0, 168),
+        (128, 1, 32, 4, 2, True, 0, 128),
     ]),
     "cand 32x100 Lq32 Ld256": (32, 100, 32, 256, 128, False, False, [
         (32, 1, 32, 4, 3, False, 2), (32, 1, 32, 4, 3, False, 4), (32, 1, 64, 4, 3, False, 4),

@@ -27,6 +27,8 @@ class ForwardConfig:
     # Programs per multiprocessor a persistent launch plans for (0: one program per document). Persistent programs
     # walk several shared dense documents each, for a row block that fits one program (launch.py decides).
     persist: int = 0
+    # Register cap per thread (ptxas .maxnreg; 0: none): more resident programs at the price of a few spills.
+    maxnreg: int = 0
 
 
 @dataclass(frozen=True)
@@ -46,15 +48,25 @@ def _dim_split(dim: int) -> tuple[int, int]:
 
 
 @lru_cache(maxsize=256)
-def forward_config(Lq: int, dim: int, Nq: int, shared_docs: bool, need_argmax: bool = False) -> ForwardConfig:
-    """Pick the forward variant. ``shared_docs``: every query sees the same documents (cross product)."""
+def forward_config(
+    Lq: int, dim: int, Nq: int, shared_docs: bool, need_argmax: bool = False, fp32: bool = False
+) -> ForwardConfig:
+    """Pick the forward variant. ``shared_docs``: every query sees the same documents (cross product); ``fp32``:
+    fp32 inputs (no register cap: their IEEE products spill ~1 KB a thread under it, per ptxas)."""
     # Measured on an H200 (tools/tune.py, bf16, dim 128; runs 3-5 in docs/performance.md): packing 8 queries of 32
     # tokens (256 rows) against one document tile wins every compute-bound cross-product shape; single thin
     # queries are memory-bound and prefer 4 warps; long queries (Lq > 128) run one 128-row block per program.
     block_k, num_k = _dim_split(dim)
     if Lq > 128:
-        # (H100, fwd_probe: the argmax forward of 32x32 Lq1024 Ld1024 takes 0.666 ms with 64-token tiles, 0.686
-        # with 32; no spills either way)
+        if need_argmax and num_k == 1 and not fp32:
+            # The running max and argmax of a 128x64 tile fill 255 registers (48 bytes spilled): two programs per
+            # multiprocessor, whose MMAs and row maxima hardly overlap (ncu: tensor pipe 44 % busy). 32-token tiles
+            # capped at 128 registers keep four resident (H100, fwd_probe, docs/performance.md v20:
+            # argmax forward of 32x32 Lq1024 Ld1024 0.679 -> 0.633 ms; the scores-only forward loses with the cap,
+            # 0.240 -> 0.279-0.298 ms on ColPali 1x500, so it keeps the uncapped 64-token tiles).
+            return ForwardConfig(128, 1, 32, block_k, num_k, 4, 2, True, maxnreg=128)
+        # (H100, fwd_probe: the argmax forward of 32x32 Lq1024 Ld1024 took 0.666 ms with 64-token tiles, 0.686
+        # with 32, uncapped; no spills either way)
         bn = 32 if num_k > 1 else 64
         return ForwardConfig(128, 1, bn, block_k, num_k, 4, 3, True)
     TQ = max(16, next_pow2(Lq))

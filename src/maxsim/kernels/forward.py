@@ -48,12 +48,12 @@ def _load_q_chunk(q_rows, row_ok, kc, dim, BLOCK_K: tl.constexpr, UPCAST: tl.con
 
 @triton.jit
 def _argmax_slots(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SAVE_ARGMAX: tl.constexpr):
-    """The running argmax's tile offsets ``[rows, BLOCK_N]``, or a one-element stand-in when none is kept (so a
-    loop that resets it costs no registers)."""
+    """The running argmax's tile offsets ``[rows, BLOCK_N]`` (fp32, relative to the next tile: see
+    :func:`_scan_tile`), or a one-element stand-in when none is kept (so a loop that resets it costs no registers)."""
     if SAVE_ARGMAX:
-        return tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+        return tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     else:
-        return tl.zeros([1, 1], dtype=tl.int32)
+        return tl.zeros([1, 1], dtype=tl.float32)
 
 
 @triton.jit
@@ -95,7 +95,12 @@ def _scan_tile(
     elif n0 + BLOCK_N > d_len:
         s = tl.where(in_doc[None, :], s, float("-inf"))
     if SAVE_ARGMAX:
-        a2 = tl.where(s > m2, n0, a2)  # strict: an earlier tile keeps a tie
+        # a2 is the winning tile's offset minus the next tile's (an integer in fp32, exact below 2^24): a tile
+        # that does not beat the running max (strict: an earlier tile keeps a tie; NaN never beats) keeps the
+        # offset, one that does resets it, and either way it moves one tile further back. One compare and one
+        # multiply-add, where a select of the tile offset took two instructions of the ALU pipe (the busiest).
+        keep = (~(s > m2)).to(tl.float32)
+        a2 = a2 * keep - BLOCK_N
     m2 = nan_max(m2, s)
     any_valid = tl.maximum(any_valid, col_ok.to(tl.int32))
     return m2, a2, any_valid
@@ -103,7 +108,7 @@ def _scan_tile(
 
 @triton.jit
 def _finish_rows(
-    m2, a2, any_valid, qt, q_rows, row_ok, dim,
+    m2, a2, n_end, any_valid, qt, q_rows, row_ok, dim,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, NORMALIZE: tl.constexpr,
     SAVE_ARGMAX: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
@@ -112,6 +117,7 @@ def _finish_rows(
     m = tl.reduce(m2, 1, nan_max)
     a = tl.zeros([qt.shape[0]], dtype=tl.int32)  # (unused when no argmax is kept)
     if SAVE_ARGMAX:
+        a2 = (a2 + n_end).to(tl.int32)  # tile offsets from the end of the last tile scanned (n_end)
         _m, a = tl.reduce((m2, a2 + tl.arange(0, BLOCK_N)[None, :]), 1, _argmax_combine)
     if NORMALIZE:
         # The query's norm is a positive per-row factor: it scales the max without moving the argmax.
@@ -204,8 +210,8 @@ def maxsim_fwd_kernel(
             )  # fmt: skip
             if n0 + BLOCK_N >= Ld:  # the document's last tile: its scores, then a fresh running max
                 row_val, a, _live = _finish_rows(
-                    m2, a2, any_valid, qt, q_rows, row_ok, dim, BLOCK_N, BLOCK_K, NUM_K, NORMALIZE, SAVE_ARGMAX,
-                    UPCAST,
+                    m2, a2, n0 + BLOCK_N, any_valid, qt, q_rows, row_ok, dim, BLOCK_N, BLOCK_K, NUM_K, NORMALIZE,
+                    SAVE_ARGMAX, UPCAST,
                 )  # fmt: skip
                 if SAVE_ARGMAX:
                     tl.store(ARG + (q_out.to(tl.int64) * K + k) * Lq + t, a, mask=q_in & (t < r_hi))
@@ -244,8 +250,9 @@ def maxsim_fwd_kernel(
                     BLOCK_N, BLOCK_K, NUM_K, HAS_DMASK, NORMALIZE, SAVE_ARGMAX, DOT_PRECISION, UPCAST,
                 )  # fmt: skip
             row_val, a, _live = _finish_rows(
-                m2, a2, any_valid, qt, q_rows, row_ok, dim, BLOCK_N, BLOCK_K, NUM_K, NORMALIZE, SAVE_ARGMAX, UPCAST
-            )
+                m2, a2, tl.cdiv(d_len, BLOCK_N) * BLOCK_N, any_valid, qt, q_rows, row_ok, dim, BLOCK_N, BLOCK_K,
+                NUM_K, NORMALIZE, SAVE_ARGMAX, UPCAST,
+            )  # fmt: skip
             score += tl.sum(tl.reshape(row_val, [BQ, TQ]), axis=1)
             if SAVE_ARGMAX:
                 tl.store(ARG + (q_out.to(tl.int64) * K + kk) * Lq + t, a, mask=q_in & (t < r_hi))

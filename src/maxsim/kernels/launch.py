@@ -173,6 +173,7 @@ class _ForwardPlan(NamedTuple):
     constexprs: dict
     num_warps: int
     num_stages: int
+    maxnreg: int
     launches: dict  # the launcher's plan cache (see Launcher)
 
 
@@ -215,13 +216,13 @@ def forward(
     Q, D = _last_dim_contiguous(Q), _last_dim_contiguous(D)
     sg = _segs(Q, D, rg)
     shared = Bd == 1 and not sg.pairs
-    cfg = cfg or forward_config(Lq, dim, Nq, shared, need_argmax)
+    cfg = cfg or forward_config(Lq, dim, Nq, shared, need_argmax, Q.dtype == torch.float32)
     sqm = (0, 0) if q_mask is None else q_mask.stride()
     sdm = (0, 0, 0) if d_mask is None else ((0 if shared else d_mask.stride(0)),) + d_mask.stride()[1:]
     n_qblocks = triton_cdiv(Nq, cfg.BQ)
     # Queries longer than one row block: one program per row block (more programs, shorter ones), partial scores
     # summed afterwards in a fixed order.
-    n_rsplit = triton_cdiv(Lq, cfg.TQ) if (cfg.BQ == 1 and cfg.SPLIT_ROWS) else 1
+    n_rsplit = triton_cdiv(Lq, cfg.TQ) if cfg.SPLIT_ROWS else 1
     rows_per_prog = cfg.TQ if n_rsplit > 1 else Lq
     docs_per_prog = 1
     if cfg.persist and not sg.pairs and sg.d_kind == DENSE and cfg.NUM_K == 1 and rows_per_prog <= cfg.TQ:
@@ -251,6 +252,7 @@ def forward(
         ),
         cfg.num_warps,
         cfg.num_stages,
+        cfg.maxnreg,
         {},
     )  # fmt: skip
     if key is not None:
@@ -275,7 +277,7 @@ def _run_forward(
     segs = (Q, Q, Q, Q) if sg is None else (sg.qseg, sg.dseg, sg.pq, sg.pd)
     arg = scores if argmax is None else argmax
     tensors = (Q, D, qm, dm, *segs, out, arg)
-    _fwd(plan.grid, tensors, plan.ints, plan.constexprs, plan.num_warps, plan.num_stages, plan.launches)
+    _fwd(plan.grid, tensors, plan.ints, plan.constexprs, plan.num_warps, plan.num_stages, plan.launches, plan.maxnreg)
     if n_rsplit > 1:
         torch.sum(out, dim=0, out=scores)
     return scores, argmax

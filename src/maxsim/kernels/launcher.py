@@ -37,9 +37,9 @@ def _current_device() -> int:
 
 
 class Launcher:
-    """``Launcher(kernel)(grid, tensors, ints, constexprs, num_warps, num_stages)`` ≡
-    ``kernel[(grid,)](*tensors, *ints, **constexprs, num_warps=..., num_stages=...)``, for kernels whose parameters
-    are pointers, then integers, then constexprs."""
+    """``Launcher(kernel)(grid, tensors, ints, constexprs, num_warps, num_stages, maxnreg=...)`` ≡
+    ``kernel[(grid,)](*tensors, *ints, **constexprs, num_warps=..., num_stages=..., maxnreg=...)``, for kernels whose
+    parameters are pointers, then integers, then constexprs (``maxnreg`` 0: no register cap)."""
 
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
@@ -61,11 +61,12 @@ class Launcher:
         num_warps: int,
         num_stages: int = 3,
         plan_cache: dict | None = None,
+        maxnreg: int = 0,
     ) -> None:
         """``plan_cache``: a dict owned by a caller whose launches always pass the same integers, constexprs,
         options and tensor dtypes (a launch plan); its entries are keyed by the device and the tensors' alignments
         only, which is most of the host time a launch saves."""
-        if INTERPRETER:
+        if INTERPRETER:  # (which has no registers to cap)
             self.kernel[(grid,)](*tensors, *ints, **constexprs, num_warps=num_warps, num_stages=num_stages)
             return
         device = _current_device()
@@ -77,13 +78,14 @@ class Launcher:
             # Everything Triton specializes on: integer values (a superset of "== 1" and "divisible by 16"), tensor
             # dtypes and 16-byte alignment, the constexprs and the launch options.
             key = (
-                device, num_warps, num_stages, ints, tuple(constexprs.values()),
+                device, num_warps, num_stages, maxnreg, ints, tuple(constexprs.values()),
                 tuple([(t.dtype, t.data_ptr() & 15) for t in tensors]),
             )  # fmt: skip
             hit = None if hooks else self._known.get(key)
             if hit is None:
+                cap = {"maxnreg": maxnreg} if maxnreg else {}
                 compiled = self.kernel[(grid,)](
-                    *tensors, *ints, **constexprs, num_warps=num_warps, num_stages=num_stages
+                    *tensors, *ints, **constexprs, num_warps=num_warps, num_stages=num_stages, **cap
                 )
                 if hooks or compiled is None:
                     return
