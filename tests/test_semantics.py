@@ -260,11 +260,15 @@ def test_backward_modes_agree_and_deterministic_is_bitwise(layout, dtype, backen
         from maxsim.kernels import launch
 
         monkeypatch.setattr(launch, "SHARED_OWNER_MAX_WORK", 0)  # the atomics path of large cross products
-        launch._bplans.clear()
-        _, dQ_a, dD_a = check_parity(inp, normalize=True, backward="fast", seed=11)
-        launch._bplans.clear()
-        torch.testing.assert_close(dQ_a, dQ_d, rtol=tol, atol=tol * float(dQ_d.abs().max()))
-        torch.testing.assert_close(dD_a, dD_d, rtol=tol, atol=tol * float(dD_d.abs().max()))
+        for fused in (1, 0):  # the atomics in the gather's launch, then in a launch of their own
+            monkeypatch.setattr(launch, "FUSED_SCATTER", fused)
+            launch._bplans.clear()
+            _, dQ_a, dD_a = check_parity(inp, normalize=True, backward="fast", seed=11)
+            plan = next(iter(launch._bplans.values()))
+            assert not plan.dd_owned and (plan.dd_sc is None) == bool(fused)
+            launch._bplans.clear()
+            torch.testing.assert_close(dQ_a, dQ_d, rtol=tol, atol=tol * float(dQ_d.abs().max()))
+            torch.testing.assert_close(dD_a, dD_d, rtol=tol, atol=tol * float(dD_d.abs().max()))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -171,7 +171,21 @@ def maxsim_bwd_scatter_kernel(
     """One program per (pair, query-token block), fp32 atomics. ``TO_Q``: read document rows ``DT[a]``, add into
     ``QT[t]`` (dQ, used for pair lists); else read query rows ``QT[t]``, add into ``DT[a]`` (dD). ``INV`` holds the
     inverse norms of the side that is read."""
-    pid = tl.program_id(0)
+    _scatter_program(
+        tl.program_id(0), G, ARG, QT, DT, INV, QSEG, DSEG, PQ, PD, K, Lq, Ld, dim, n_qseq, n_qrows, n_dseq, n_drows,
+        sq_n, sq_l, sd_b, sd_k, sd_l, sqs, sds_b, sds_k, sg, n_tb, BT, DIM_P, Q_KIND, D_KIND, PAIR_LIST, SHARED_DOCS,
+        TO_Q, NORMALIZE,
+    )  # fmt: skip
+
+
+@triton.jit
+def _scatter_program(
+    pid, G, ARG, QT, DT, INV, QSEG, DSEG, PQ, PD, K, Lq, Ld, dim, n_qseq, n_qrows, n_dseq, n_drows,
+    sq_n, sq_l, sd_b, sd_k, sd_l, sqs, sds_b, sds_k, sg, n_tb,
+    BT: tl.constexpr, DIM_P: tl.constexpr, Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr,
+    SHARED_DOCS: tl.constexpr, TO_Q: tl.constexpr, NORMALIZE: tl.constexpr,
+):  # fmt: skip
+    """Program ``pid`` of :func:`maxsim_bwd_scatter_kernel` (also run inside :func:`maxsim_bwd_kernel`)."""
     pair = (pid // n_tb).to(tl.int64)
     t = (pid % n_tb) * BT + tl.arange(0, BT)
     q, doc, b = _pair_members(pair, K, PQ, PD, PAIR_LIST, SHARED_DOCS)
@@ -369,7 +383,7 @@ def maxsim_bwd_kernel(
     Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr, SHARED_DOCS: tl.constexpr,
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     DQ_GATHER: tl.constexpr, DD_OWNED: tl.constexpr, SCAN_Q: tl.constexpr, SCAN_D: tl.constexpr,
-    DOC_WALK: tl.constexpr,
+    DOC_WALK: tl.constexpr, DD_SCATTER: tl.constexpr,
 ):  # fmt: skip
     """The gather-and-own backward in one launch: programs ``[0, n_dq)`` compute dQ by the gather (``DQ_GATHER``),
     the rest own blocks of dD (``DD_OWNED``); either side may be absent (a long pair list's dQ and the fast cross
@@ -382,7 +396,7 @@ def maxsim_bwd_kernel(
     :func:`_dd_program`."""
     pid = tl.program_id(0)
     # (a launch of one side tests nothing: the branch costs a dQ-only variant ~35 registers, a program per SM)
-    gather = pid < n_dq if DQ_GATHER and DD_OWNED else DQ_GATHER
+    gather = pid < n_dq if DQ_GATHER and (DD_OWNED or DD_SCATTER) else DQ_GATHER
     if gather:
         if DQ_GATHER:
             _dq_program(
@@ -398,4 +412,10 @@ def maxsim_bwd_kernel(
                 Nq, K_dd, P, Lq, Ld, dim, n_qseq, n_qrows, n_dseq, n_drows, sq_n, sq_l, sgd_b, sgd_k, sgd_l,
                 sqs, sds_b, sds_k, sg, n_jb, n_kb, TQ, BN, BLOCK_K, Q_KIND, D_KIND, PAIR_LIST, SHARED_DOCS,
                 NORMALIZE, DOT_PRECISION, UPCAST, SCAN_D, DOC_WALK,
+            )  # fmt: skip
+        if DD_SCATTER:  # dD by fp32 atomics into GD (zeroed), its programs running beside the gather's
+            _scatter_program(
+                pid - n_dq, G, ARG, Q, GD, INV_Q, QSEG, DSEG, PQ, PD, K, Lq, Ld, dim, n_qseq, n_qrows, n_dseq,
+                n_drows, sq_n, sq_l, sgd_b, sgd_k, sgd_l, sqs, sds_b, sds_k, sg, n_tb, BT, DIM_P, Q_KIND, D_KIND,
+                PAIR_LIST, SHARED_DOCS, False, NORMALIZE,
             )  # fmt: skip

@@ -35,8 +35,13 @@ PAIR_SCAN_MAX_WORK = 1 << 24
 # (backward="fast"). H100, GPU time of the backward, owned vs atomics: 32x32 Lq32 Ld80 (2^29) 19 vs 23 us, 64x64
 # Lq32 Ld128 (2^31) 59 vs 53 us, 64x64 Lq23 Ld333 dim 96 (1.5 * 2^32) 114 vs 45 us, 256x256 Ld300 1.3 vs 0.53 ms.
 SHARED_OWNER_MAX_WORK = 1 << 31
-# Pairs the dQ walk gathers per step when it has the launch to itself, and when it shares it with the owner (see
-# _backward_plan).
+# The fast cross product's dD atomics run as programs of the backward's main launch, beside the dQ gather (one
+# launch fewer; the gather's loads and the atomics' traffic overlap), instead of a launch of their own after it.
+# H100, backward GPU time (gather + atomics): 256x256 Ld300 484 -> 424 us, 32x32 Lq1024 Ld1024 220 -> 204 us,
+# off-matrix dim 96 41 -> 34 us; training steps 0.95x, 0.98x, 0.94x, and 64x64 Ld1024 (host-bound) 0.87x.
+FUSED_SCATTER = 1
+# Pairs the dQ walk gathers per step when it has the launch to itself, and when it shares it with the owner or the
+# atomics (see _backward_plan).
 DQ_UNROLL = 4
 FUSED_DQ_UNROLL = 1
 # How much faster one-document programs run than a persistent plan of one program per multiprocessor counts them
@@ -320,7 +325,7 @@ class _BackwardPlan(NamedTuple):
     n_docs: int
     main: tuple  # (grid, ints, constexprs) of the maxsim_bwd_kernel launch: the dQ gather and/or the owned dD
     dq_sc: tuple | None  # the scatter launches (dQ of a long pair list, dD of a large fast cross product)
-    dd_sc: tuple | None
+    dd_sc: tuple | None  # (None with the owner, or with the atomics in the main launch: FUSED_SCATTER)
     direct_d: bool  # dD comes out in D's dtype without a cast
     num_warps: int
     launches: dict  # the launcher's plan cache of the main launch (see Launcher)
@@ -390,7 +395,13 @@ def _backward_plan(
     doc_walk = not shared and not sg.pairs and Lq <= cfg.TQ
     n_dd = (n_owned * (1 if doc_walk else n_jb) * n_kb) if dd_owned else 0
     direct_d = not normalize and (dd_owned or D.dtype == torch.float32)
-    dd_sc = None if dd_owned else scatter(False, _q_strides(Q), _d_strides(torch.empty(D.shape, device="meta"), shared))
+    fused_sc = not dd_owned and bool(FUSED_SCATTER)
+    n_dsc = n_pairs * n_tb if fused_sc else 0
+    dd_sc = (
+        None
+        if dd_owned or fused_sc
+        else scatter(False, _q_strides(Q), _d_strides(torch.empty(D.shape, device="meta"), shared))
+    )
     ints = (
         n_queries, Nq, K, n_docs if sg.pairs else K, n_pairs, Lq, Ld, dim, *seg_args,
         *_q_strides(Q), *_d_strides(D, shared), *q_fresh, *d_fresh, *seg_strides, n_tb, n_jb, n_kb,
@@ -405,11 +416,13 @@ def _backward_plan(
     # The dQ walk gathers UNROLL pairs per step (their loads in flight together: fewer round trips per program,
     # at 186 registers instead of 40); sharing a launch with the owner it takes one at a time, which leaves the
     # owner's programs their occupancy.
-    unroll = DQ_UNROLL if not n_dd else FUSED_DQ_UNROLL
+    # The atomics' programs do not mind the gather's registers (H100, backward GPU time with the atomics in the
+    # launch, UNROLL 4 vs 1: 256x256 Ld300 424 vs 458 us, 32x32 Lq1024 204 vs 202, 64x64 Ld1024 65 vs 56).
+    unroll = FUSED_DQ_UNROLL if n_dd else DQ_UNROLL
     main = (
-        n_dq + n_dd,
+        n_dq + n_dd + n_dsc,
         (*ints, n_dq),
-        dict(constexprs, UNROLL=unroll, DQ_GATHER=n_dq > 0, DD_OWNED=n_dd > 0),
+        dict(constexprs, UNROLL=unroll, DQ_GATHER=n_dq > 0, DD_OWNED=n_dd > 0, DD_SCATTER=n_dsc > 0),
     )
     return _BackwardPlan(
         grad_contiguous, dq_scatter, torch.float32 if (normalize or dq_scatter) else Q.dtype,
@@ -441,7 +454,7 @@ def backward(
     key = (
         Q.device, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype, grad.shape, grad.stride(),
         normalize, deterministic, torch.get_float32_matmul_precision(), _ragged_key(rg), PAIR_SCAN_MAX_WORK,
-        SHARED_OWNER_MAX_WORK,
+        SHARED_OWNER_MAX_WORK, FUSED_SCATTER,
     )  # fmt: skip
     plan = _bplans.get(key)
     if plan is None:
@@ -464,7 +477,10 @@ def backward(
         _bwd_scatter(grid, (grad, argmax, dQ, D, inv_d, *segs), ints, constexprs, nw)
     else:
         dQ = torch.empty(Q.shape, dtype=plan.dq_dtype, device=Q.device)
-    gd = torch.empty(D.shape, dtype=plan.dd_dtype, device=D.device) if plan.dd_owned else None
+    if plan.dd_owned:
+        gd = torch.empty(D.shape, dtype=plan.dd_dtype, device=D.device)
+    else:  # the atomics' fp32 buffer, zeroed before the launch that adds into it (main, or its own after it)
+        gd = torch.zeros(D.shape, dtype=torch.float32, device=D.device) if plan.dd_sc is None else None
     q_off, q_order = csr(rg.pair_q, plan.n_queries) if plan.q_csr else (grad, grad)  # (else unused)
     d_off, d_order = csr(rg.pair_d, plan.n_docs) if plan.d_csr else (grad, grad)
     grid, ints, constexprs = plan.main
