@@ -7,7 +7,8 @@ row reports the median and the minimum of both.
 
 Usage:
   python tools/ab_steps.py --make-old REV            # here: .devdata/oldpkg/maxsim_old from `git archive REV`
-  PYTHONPATH=src:.devdata/oldpkg python tools/ab_steps.py train|infer [PATTERN ...]   # on the GPU (carry .devdata)
+  PYTHONPATH=src:.devdata/oldpkg python tools/ab_steps.py train|infer [PATTERN ...] [--normalize]   # on the GPU
+                                                      # (carry .devdata)
 
 The old copy is importable as ``maxsim_old``: its relative imports make it self-contained, and its operators are
 registered as ``maxsim_old::*`` so that both versions coexist.
@@ -16,6 +17,7 @@ registered as ``maxsim_old::*`` so that both versions coexist.
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import shutil
 import statistics
@@ -40,21 +42,25 @@ def make_old(rev: str) -> None:
     print(f"wrote {OLD} from {rev}")
 
 
-def compare(mode: str, patterns: list[str] | None, rounds: int) -> None:
+def _scorers(lib, normalize: bool) -> tuple:
+    """The library's four entry points for MaxsimImpl, with ``normalize`` set."""
+    fns = (lib.maxsim, lib.maxsim_pairs, lib.maxsim_varlen, lib.maxsim_pairs_varlen)
+    return tuple(functools.partial(f, normalize=True) for f in fns) if normalize else fns
+
+
+def compare(mode: str, patterns: list[str] | None, rounds: int, normalize: bool = False) -> None:
     import maxsim_old
     import torch
     from triton.testing import do_bench
 
+    import maxsim
     from maxsim.bench.peers import MaxsimImpl
     from maxsim.bench.runner import make_call
     from maxsim.bench.workloads import RAGGED_LAYOUTS, make_inputs, seed_of, select
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     old = maxsim_old
-    impls = {
-        "new": MaxsimImpl(),
-        "old": MaxsimImpl(old.maxsim, old.maxsim_pairs, old.maxsim_varlen, old.maxsim_pairs_varlen),
-    }
+    impls = {"new": MaxsimImpl(*_scorers(maxsim, normalize)), "old": MaxsimImpl(*_scorers(old, normalize))}
     for w in select(mode=mode, only=patterns):
         inp = make_inputs(w, dev, dt, seed_of(w))
         calls = {}
@@ -84,11 +90,12 @@ def main() -> None:
     ap.add_argument("patterns", nargs="*")
     ap.add_argument("--make-old", metavar="REV")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--normalize", action="store_true", help="both versions called with normalize=True")
     args = ap.parse_args()
     if args.make_old:
         make_old(args.make_old)
     if args.mode:
-        compare(args.mode, args.patterns or None, args.rounds)
+        compare(args.mode, args.patterns or None, args.rounds, args.normalize)
 
 
 if __name__ == "__main__":

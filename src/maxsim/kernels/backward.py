@@ -254,8 +254,21 @@ def _dd_add(
     tokens whose argmax ``a`` is in ``j``, times their weights ``w``."""
     hit = a[None, :] == j[:, None]  # [BN, TQ]; a == -1 never matches
     if NORMALIZE:
-        sel = tl.where(hit, w[None, :], 0.0)
-        acc += tl.dot(sel, qt.to(tl.float32), input_precision="ieee")
+        # Each token has its own fp32 weight. The weighted rows, split into three bf16 terms whose sum is exactly
+        # the fp32 value (8 + 8 + 8 significant bits), go through the tensor cores with the 0/1 selector (exact
+        # products, fp32 sums) instead of an IEEE fp32 product, which Triton emits as FMA loops.
+        # (a token that chose nothing weighs 0: its inverse norm may be NaN, if it was masked and poisoned)
+        wq = qt.to(tl.float32) * tl.where(a >= 0, w, 0.0)[:, None]
+        hi = wq.to(tl.bfloat16).to(tl.float32)
+        rest = wq - hi
+        mid = rest.to(tl.bfloat16).to(tl.float32)
+        lo = rest - mid  # (8 significant bits at most: a bf16 value)
+        sel = hit.to(tl.float32)
+        if not UPCAST:  # (the interpreter's bf16 products are wrong: it multiplies the same exact terms in fp32)
+            sel, hi, mid, lo = sel.to(tl.bfloat16), hi.to(tl.bfloat16), mid.to(tl.bfloat16), lo.to(tl.bfloat16)
+        acc += tl.dot(sel, hi, input_precision="ieee")
+        acc += tl.dot(sel, mid, input_precision="ieee")
+        acc += tl.dot(sel, lo, input_precision="ieee")
     else:
         if UPCAST:
             qt = qt.to(tl.float32)

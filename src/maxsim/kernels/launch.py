@@ -57,8 +57,9 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _upcast(dtype: torch.dtype) -> bool:
-    """Triton's interpreter gets bf16 ``tl.dot`` wrong (design.md §5): operands are upcast there, and only there."""
-    return INTERPRETER and dtype != torch.float32
+    """Triton's interpreter gets bf16 ``tl.dot`` wrong (design.md §5): operands are upcast there, and only there
+    (for every dtype: the normalize owner makes bf16 operands of fp32 inputs too, see backward._dd_add)."""
+    return INTERPRETER
 
 
 def _last_dim_contiguous(x: Tensor) -> Tensor:
