@@ -96,7 +96,7 @@ def fake_call(self, grid, tensors, ints, constexprs, num_warps, num_stages=3, pl
             compiled = triton.compile(src, target=TARGET, options=options)
             if REGS:
                 flags = {k: v for k, v in constexprs.items() if isinstance(v, bool | int)}
-                data = sig.get("Q", sig.get("QT", "?")).lstrip("*")  # the inputs' dtype
+                data = next((sig[k] for k in ("Q", "QT", "X1") if k in sig), "?").lstrip("*")  # the inputs' dtype
                 print(f"{kernel.__name__} {data} warps={num_warps} {flags}: {ptxas_usage(compiled.asm['ptx'])}",
                       flush=True)  # fmt: skip
             if SASS:

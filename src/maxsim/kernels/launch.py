@@ -12,9 +12,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..cpu import project_normalized_grad
-from ..layout import NORM_EPS, Ragged, dims
+from ..layout import Ragged, dims
 from . import csr as csr_kernel
+from . import normalize as normalize_kernels
 from .backward import maxsim_bwd_kernel, maxsim_bwd_scatter_kernel
 from .configs import BackwardConfig, ForwardConfig, backward_config, forward_config
 from .forward import maxsim_fwd_kernel
@@ -289,12 +289,6 @@ def _run_forward(
     return scores, argmax
 
 
-def _inverse_norms(x: Tensor) -> tuple[Tensor, Tensor]:
-    """``(||x|| fp32 [...], 1/max(||x||, eps) fp32 [...])`` per token: one pass, once per token (not per pair)."""
-    norm = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)
-    return norm, 1.0 / norm.clamp_min(NORM_EPS)
-
-
 def csr(ids: Tensor, n: int) -> tuple[Tensor, Tensor]:
     """Group pair indices by ``ids`` (values in ``[0, n)``) without a host sync: ``(offsets [n + 1], order [P])``;
     group ``i`` is ``order[offsets[i]:offsets[i + 1]]``, in increasing pair order. Short lists: one counting
@@ -466,8 +460,7 @@ def backward(
     if plan.grad_contiguous:
         grad = grad.contiguous()
     if normalize:
-        norm_q, inv_q = _inverse_norms(Q)
-        norm_d, inv_d = _inverse_norms(D)
+        inv_q, inv_d = normalize_kernels.inverse_norms(Q, D)
     else:
         inv_q = inv_d = grad  # unused pointers
     segs = (sg.qseg, sg.dseg, sg.pq, sg.pd)
@@ -496,8 +489,7 @@ def backward(
         grid, ints, constexprs = plan.dd_sc
         _bwd_scatter(grid, (grad, argmax, Q, gd, inv_q, *segs), ints, constexprs, nw)
 
-    if normalize:
-        dQ = project_normalized_grad(dQ, Q.float() * inv_q[..., None], norm_q)
-        gd = project_normalized_grad(gd, D.float() * inv_d[..., None], norm_d)
+    if normalize:  # (the chain rule through the normalization, written in the inputs' dtypes)
+        return normalize_kernels.project(dQ, Q, gd, D)
     dD = gd if plan.direct_d else gd.to(D.dtype)
     return (dQ if dQ.dtype == Q.dtype else dQ.to(Q.dtype)), dD
