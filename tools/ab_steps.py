@@ -9,6 +9,7 @@ Usage:
   python tools/ab_steps.py --make-old REV            # here: .devdata/oldpkg/maxsim_old from `git archive REV`
   PYTHONPATH=src:.devdata/oldpkg python tools/ab_steps.py train|infer [PATTERN ...] [--normalize]   # on the GPU
                                                       # (carry .devdata)
+  PYTHONPATH=src python tools/ab_steps.py train|infer [PATTERN ...] --normalize-cost   # normalize=True vs False
 
 The old copy is importable as ``maxsim_old``: its relative imports make it self-contained, and its operators are
 registered as ``maxsim_old::*`` so that both versions coexist.
@@ -48,8 +49,7 @@ def _scorers(lib, normalize: bool) -> tuple:
     return tuple(functools.partial(f, normalize=True) for f in fns) if normalize else fns
 
 
-def compare(mode: str, patterns: list[str] | None, rounds: int, normalize: bool = False) -> None:
-    import maxsim_old
+def compare(mode: str, patterns: list[str] | None, rounds: int, normalize: bool = False, plain: bool = False) -> None:
     import torch
     from triton.testing import do_bench
 
@@ -59,8 +59,12 @@ def compare(mode: str, patterns: list[str] | None, rounds: int, normalize: bool 
     from maxsim.bench.workloads import RAGGED_LAYOUTS, make_inputs, seed_of, select
 
     dev, dt = torch.device("cuda"), torch.bfloat16
-    old = maxsim_old
-    impls = {"new": MaxsimImpl(*_scorers(maxsim, normalize)), "old": MaxsimImpl(*_scorers(old, normalize))}
+    if plain:  # "old" is this version without normalize: what normalize=True costs
+        impls = {"new": MaxsimImpl(*_scorers(maxsim, True)), "old": MaxsimImpl(*_scorers(maxsim, False))}
+    else:
+        import maxsim_old
+
+        impls = {"new": MaxsimImpl(*_scorers(maxsim, normalize)), "old": MaxsimImpl(*_scorers(maxsim_old, normalize))}
     for w in select(mode=mode, only=patterns):
         inp = make_inputs(w, dev, dt, seed_of(w))
         calls = {}
@@ -91,11 +95,12 @@ def main() -> None:
     ap.add_argument("--make-old", metavar="REV")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--normalize", action="store_true", help="both versions called with normalize=True")
+    ap.add_argument("--normalize-cost", action="store_true", help="this version with normalize=True against without")
     args = ap.parse_args()
     if args.make_old:
         make_old(args.make_old)
     if args.mode:
-        compare(args.mode, args.patterns or None, args.rounds, args.normalize)
+        compare(args.mode, args.patterns or None, args.rounds, args.normalize, args.normalize_cost)
 
 
 if __name__ == "__main__":
