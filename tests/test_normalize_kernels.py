@@ -78,3 +78,66 @@ def test_rows_at_a_stride_and_empty_tensors(device):
     inv_e, inv_q = nk.inverse_norms(empty, Q)
     assert inv_e.shape == (0, 5)
     torch.testing.assert_close(inv_q, 1 / torch.linalg.vector_norm(Q, dim=-1).clamp_min(NORM_EPS))
+
+
+def test_one_side_projects_alone(device):
+    if not triton_usable(device):
+        pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
+    Q, D, gQ, gD = _inputs(torch.float32, 48, device)
+    none, dD = nk.project(None, Q, gD, D)
+    assert none is None
+    torch.testing.assert_close(dD, _expected(D, gD), rtol=1e-5, atol=1e-5, equal_nan=True)
+    dQ, none = nk.project(gQ, Q, None, D)
+    assert none is None
+    torch.testing.assert_close(dQ, _expected(Q, gQ), rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize(
+    "case, fused_q, fused_d",
+    [
+        ("cross, owned dD", True, True),
+        ("candidates", True, True),
+        ("cross, atomics", True, False),  # dD in an fp32 buffer: projected by a launch after
+        ("dim 256", True, False),  # the owner holds half a row
+        ("long pair list", False, True),  # dQ by atomics
+    ],
+)
+def test_backward_programs_project_the_rows_they_hold(case, fused_q, fused_d, monkeypatch):
+    """With normalize, the dQ gather and a dD owner of whole rows apply the chain rule before storing; what they do
+    not hold goes through one projection launch (and nothing else runs: no casts, no PyTorch passes)."""
+    from maxsim.kernels import launch, launcher
+    from maxsim.layout import Ragged
+
+    launches: list = []
+
+    def record(self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0):
+        launches.append((self.kernel.__name__, constexprs))
+
+    monkeypatch.setattr(launcher.Launcher, "__call__", record)
+    monkeypatch.setattr(launch, "INTERPRETER", False)
+    dim = 256 if case == "dim 256" else 64
+    Q, D, rg = torch.randn(4, 8, dim), torch.randn(1, 5, 40, dim), None
+    if case == "candidates":
+        D = torch.randn(4, 3, 40, dim)
+    if case == "cross, atomics":
+        monkeypatch.setattr(launch, "SHARED_OWNER_MAX_WORK", 0)
+    if case == "long pair list":
+        monkeypatch.setattr(launch, "PAIR_SCAN_MAX_WORK", 0)
+        cu_q, cu_d = torch.tensor([0, 3, 8]), torch.tensor([0, 5, 40, 47])
+        Q, D = torch.randn(8, dim), torch.randn(47, dim)
+        rg = Ragged(cu_q, cu_d, torch.tensor([0, 1, 1]), torch.tensor([2, 0, 2]), 5, 35)
+    grid = (1, 3) if rg is not None else (Q.shape[0], D.shape[1])
+    arg = torch.zeros(*grid, 8 if rg is None else 5, dtype=torch.int32)
+    launch._bplans.clear()
+    dQ, dD = launch.backward(torch.ones(grid), Q, D, arg, True, False, rg)
+    launch._bplans.clear()
+    assert dQ.dtype == Q.dtype and dD.dtype == D.dtype
+    main = [c for name, c in launches if name == "maxsim_bwd_kernel"]
+    assert len(main) == 1
+    assert main[0]["DQ_GATHER"] == (case != "long pair list")
+    assert main[0]["DD_OWNED"] == (case != "cross, atomics")
+    assert main[0]["PROJECT_Q"] == (fused_q and main[0]["DQ_GATHER"])
+    assert main[0]["PROJECT_D"] == (fused_d and main[0]["DD_OWNED"])
+    names = [name for name, _ in launches]
+    assert names.count("project_kernel") == (0 if fused_q and fused_d else 1)
+    assert names.count("inverse_norms_kernel") == 1

@@ -26,7 +26,9 @@ owned blocks of its document (``g · 0`` of the unchosen rows of the one-hot pro
 the atomics put it on the chosen tokens only. Finite gradients are exact.
 
 With ``normalize=True`` the kernels produce gradients w.r.t. the normalized tokens (they scale by the inverse norms,
-per-token arrays); the per-token projection back to the raw tokens happens once per token afterwards.
+per-token arrays) and chain them back to the raw tokens once per token: in the program that holds a whole row of the
+gradient (the gather; the owner when one dim block spans ``dim``: ``PROJECT_Q``, ``PROJECT_D``), else afterwards
+(:func:`.normalize.project`).
 
 Sizes are not specialized (no recompile for new shapes); strides are, so that loads stay 16 bytes wide.
 """
@@ -36,8 +38,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..layout import NORM_EPS as NORM_EPS_VALUE
+from .normalize import project_rows
 from .segments import OFFSETS, doc_segment, query_segment
 
+NORM_EPS: tl.constexpr = tl.constexpr(NORM_EPS_VALUE)
 SCAN = tl.constexpr(1024)  # pair ids compared per step when a short pair list is scanned (PAIR_SCAN)
 WALK_QUERIES: tl.constexpr = tl.constexpr(0)  # how a dD walk finds its entries (see _dd_load)
 WALK_CSR: tl.constexpr = tl.constexpr(1)
@@ -77,19 +82,20 @@ def _dq_add(
 
 @triton.jit
 def _dq_program(
-    pid, G, ARG, D, INV_D, DQ, QSEG, DSEG, PQ, PD, QOFF, QPERM,
+    pid, G, ARG, Q, D, INV_D, DQ, QSEG, DSEG, PQ, PD, QOFF, QPERM,
     K, Lq, Ld, dim,
     n_qseq, n_qrows, n_dseq, n_drows,
+    sq_n, sq_l,
     sd_b, sd_k, sd_l,
     sdq_n, sdq_l,
     sqs, sds_b, sds_k, sg,
     n_tb,
     BT: tl.constexpr, DIM_P: tl.constexpr, UNROLL: tl.constexpr,
     Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr, SHARED_DOCS: tl.constexpr,
-    NORMALIZE: tl.constexpr, PAIR_SCAN: tl.constexpr,
+    NORMALIZE: tl.constexpr, PAIR_SCAN: tl.constexpr, PROJECT: tl.constexpr,
 ):  # fmt: skip
     """dQ of one (query, token block): a gather over the query's pairs (``K`` of them: its documents, or a pair
-    list's ``P`` entries), summed in pair order."""
+    list's ``P`` entries), summed in pair order (``PROJECT``: chained through the normalization of Q's rows)."""
     q = (pid // n_tb).to(tl.int64)
     t = (pid % n_tb) * BT + tl.arange(0, BT)
     # DQ has Q's layout: its row pointer comes from the same segment description (with DQ's strides).
@@ -135,6 +141,10 @@ def _dq_program(
                         acc, p, doc, b, t, t_ok, kd, kd_ok, G, ARG, D, INV_D, DSEG,
                         K, Lq, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, sg, live, BT, D_KIND, NORMALIZE,
                     )  # fmt: skip
+    if PROJECT:
+        q_base, _tok0, _len, _bad = query_segment(Q, QSEG, q, q >= 0, Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, Q_KIND)
+        x = tl.load(q_base + t[:, None] * sq_l + kd[None, :], mask=t_ok[:, None] & kd_ok[None, :], other=0.0)
+        acc = project_rows(acc, x.to(tl.float32), NORM_EPS)
     # Padded rows (past a query's length, inside its padding) are written too: their gradient is zero.
     t_store = t_ok if Q_KIND == OFFSETS else t < Lq
     out = dq_base + t[:, None] * sdq_l + kd[None, :]
@@ -279,20 +289,29 @@ def _dd_add(
 
 
 @triton.jit
+def _projected(acc, d_base, j, d_len, kd, kd_ok, sd_l):
+    """``acc`` (the gradient of the document rows ``j`` w.r.t. their normalized values) chained back to the rows."""
+    x = tl.load(d_base + j[:, None] * sd_l + kd[None, :], mask=(j < d_len)[:, None] & kd_ok[None, :], other=0.0)
+    return project_rows(acc, x.to(tl.float32), NORM_EPS)
+
+
+@triton.jit
 def _dd_program(
-    pid, G, ARG, Q, INV_Q, GD, QSEG, DSEG, PQ, PD, DOFF, DPERM,
+    pid, G, ARG, Q, D, INV_Q, GD, QSEG, DSEG, PQ, PD, DOFF, DPERM,
     Nq, K, P, Lq, Ld, dim,
     n_qseq, n_qrows, n_dseq, n_drows,
     sq_n, sq_l,
+    sd_b, sd_k, sd_l,
     sgd_b, sgd_k, sgd_l,
     sqs, sds_b, sds_k, sg,
     n_jb, n_kb,
     TQ: tl.constexpr, BN: tl.constexpr, BLOCK_K: tl.constexpr,
     Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr, SHARED_DOCS: tl.constexpr,
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PAIR_SCAN: tl.constexpr,
-    DOC_WALK: tl.constexpr,
+    DOC_WALK: tl.constexpr, PROJECT: tl.constexpr,
 ):  # fmt: skip
-    """dD of one (document, token block, dim block), owned: no atomics, a fixed order of the sum.
+    """dD of one (document, token block, dim block), owned: no atomics, a fixed order of the sum (``PROJECT``: the
+    block spans ``dim``, and is chained through the normalization of D's rows before it is stored).
 
     ``DOC_WALK``: the document was scored by one query of at most ``TQ`` tokens (per-query candidates, aligned
     pairs); the program owns the whole (document, dim block): it loads the query's argmax and rows once, then
@@ -313,6 +332,11 @@ def _dd_program(
         j = jb * BN + tl.arange(0, BN)
     kd = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     kd_ok = kd < dim
+    d_base = D
+    if PROJECT:
+        d_base, _d_tok0, _d_len, _d_bad = doc_segment(
+            D, DSEG, b, kk, K, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, D_KIND
+        )
     if DOC_WALK:
         a, qt, w = _dd_load(
             b, 1, K, kk, G, ARG, Q, INV_Q, QSEG, PQ, DPERM,
@@ -324,6 +348,8 @@ def _dd_program(
             acc = tl.zeros([BN, BLOCK_K], dtype=tl.float32)
             if jb * BN < d_len:  # (past the document's end: chosen by no token, and no NaN of w spread there)
                 acc = _dd_add(acc, a, qt, w, j, NORMALIZE, DOT_PRECISION, UPCAST)
+            if PROJECT:
+                acc = _projected(acc, d_base, j, d_len, kd, kd_ok, sd_l)
             j_store = j < d_len if D_KIND == OFFSETS else j < Ld
             out = gd_base + j[:, None] * sgd_l + kd[None, :]
             tl.store(out, acc.to(GD.dtype.element_ty), mask=j_store[:, None] & kd_ok[None, :])
@@ -370,6 +396,8 @@ def _dd_program(
                         WALK_CSR if PAIR_LIST else WALK_QUERIES, NORMALIZE,
                     )  # fmt: skip
                     acc = _dd_add(acc, a, qt, w, j, NORMALIZE, DOT_PRECISION, UPCAST)
+        if PROJECT:
+            acc = _projected(acc, d_base, j, d_len, kd, kd_ok, sd_l)
         j_store = j < d_len if D_KIND == OFFSETS else j < Ld  # padding rows get their (zero) gradient too
         out = gd_base + j[:, None] * sgd_l + kd[None, :]
         tl.store(out, acc.to(GD.dtype.element_ty), mask=j_store[:, None] & kd_ok[None, :])
@@ -396,7 +424,7 @@ def maxsim_bwd_kernel(
     Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr, SHARED_DOCS: tl.constexpr,
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     DQ_GATHER: tl.constexpr, DD_OWNED: tl.constexpr, SCAN_Q: tl.constexpr, SCAN_D: tl.constexpr,
-    DOC_WALK: tl.constexpr, DD_SCATTER: tl.constexpr,
+    DOC_WALK: tl.constexpr, DD_SCATTER: tl.constexpr, PROJECT_Q: tl.constexpr, PROJECT_D: tl.constexpr,
 ):  # fmt: skip
     """The gather-and-own backward in one launch: programs ``[0, n_dq)`` compute dQ by the gather (``DQ_GATHER``),
     the rest own blocks of dD (``DD_OWNED``); either side may be absent (a long pair list's dQ and the fast cross
@@ -413,18 +441,18 @@ def maxsim_bwd_kernel(
     if gather:
         if DQ_GATHER:
             _dq_program(
-                pid, G, ARG, D, INV_D, DQ, QSEG, DSEG, PQ, PD, QOFF, QPERM,
-                K, Lq, Ld, dim, n_qseq, n_qrows, n_dseq, n_drows, sd_b, sd_k, sd_l, sdq_n, sdq_l,
+                pid, G, ARG, Q, D, INV_D, DQ, QSEG, DSEG, PQ, PD, QOFF, QPERM,
+                K, Lq, Ld, dim, n_qseq, n_qrows, n_dseq, n_drows, sq_n, sq_l, sd_b, sd_k, sd_l, sdq_n, sdq_l,
                 sqs, sds_b, sds_k, sg, n_tb, BT, DIM_P, UNROLL, Q_KIND, D_KIND, PAIR_LIST, SHARED_DOCS, NORMALIZE,
-                SCAN_Q,
+                SCAN_Q, PROJECT_Q,
             )  # fmt: skip
     else:
         if DD_OWNED:
             _dd_program(
-                pid - n_dq, G, ARG, Q, INV_Q, GD, QSEG, DSEG, PQ, PD, DOFF, DPERM,
-                Nq, K_dd, P, Lq, Ld, dim, n_qseq, n_qrows, n_dseq, n_drows, sq_n, sq_l, sgd_b, sgd_k, sgd_l,
-                sqs, sds_b, sds_k, sg, n_jb, n_kb, TQ, BN, BLOCK_K, Q_KIND, D_KIND, PAIR_LIST, SHARED_DOCS,
-                NORMALIZE, DOT_PRECISION, UPCAST, SCAN_D, DOC_WALK,
+                pid - n_dq, G, ARG, Q, D, INV_Q, GD, QSEG, DSEG, PQ, PD, DOFF, DPERM,
+                Nq, K_dd, P, Lq, Ld, dim, n_qseq, n_qrows, n_dseq, n_drows, sq_n, sq_l, sd_b, sd_k, sd_l,
+                sgd_b, sgd_k, sgd_l, sqs, sds_b, sds_k, sg, n_jb, n_kb, TQ, BN, BLOCK_K, Q_KIND, D_KIND, PAIR_LIST,
+                SHARED_DOCS, NORMALIZE, DOT_PRECISION, UPCAST, SCAN_D, DOC_WALK, PROJECT_D,
             )  # fmt: skip
         if DD_SCATTER:  # dD by fp32 atomics into GD (zeroed), its programs running beside the gather's
             _scatter_program(

@@ -96,8 +96,9 @@ CANDIDATE_OWNER_BLOCK_K = 64  # dims per dD owner program of a candidate documen
 
 
 @lru_cache(maxsize=256)
-def backward_config(Lq: int, dim: int, candidates: bool = False) -> BackwardConfig:
-    """``candidates``: every document is scored by one query, dense (per-query candidates, aligned pairs)."""
+def backward_config(Lq: int, dim: int, candidates: bool = False, normalize: bool = False) -> BackwardConfig:
+    """``candidates``: every document is scored by one query, dense (per-query candidates, aligned pairs);
+    ``normalize``: owners of whole rows (up to 128 dims) chain their gradient through the normalization in place."""
     dim_p = max(16, next_pow2(dim))
     # 16 tokens per dQ program at dim 128: twice the programs of 32, which the gather's latency-bound walk needs
     # (H100, fwd_probe --backward: 256x256 Lq32 Ld300 backward 0.57 -> 0.48 ms, 64x64 Ld128 0.084 -> 0.061 ms).
@@ -108,6 +109,7 @@ def backward_config(Lq: int, dim: int, candidates: bool = False) -> BackwardConf
     # the programs resident (H100: candidates 256x16 Ld300 269 -> 253 us); with the document walk of backward.py's
     # _dd_program (DOC_WALK), 86 registers; 128 dims no better (training step 256x16 1.02x). A shared document's owner
     # walks every query, and re-reading them for a second dim block costs more (256x256 Ld300 1.34 -> 1.47 ms); a
-    # pair list's owners would scan its pair ids twice as often.
-    block_k = min(dim_p, CANDIDATE_OWNER_BLOCK_K if candidates else 128)
+    # pair list's owners would scan its pair ids twice as often. With normalize, whole rows let the owner apply the
+    # chain rule itself instead of writing an fp32 buffer for a pass afterwards.
+    block_k = min(dim_p, CANDIDATE_OWNER_BLOCK_K if candidates and not normalize else 128)
     return BackwardConfig(bt, dim_p, tq, 64, block_k, 4)

@@ -322,6 +322,8 @@ class _BackwardPlan(NamedTuple):
     dq_sc: tuple | None  # the scatter launches (dQ of a long pair list, dD of a large fast cross product)
     dd_sc: tuple | None  # (None with the owner, or with the atomics in the main launch: FUSED_SCATTER)
     direct_d: bool  # dD comes out in D's dtype without a cast
+    project_q: bool  # normalize: the gather chains dQ through Q's normalization (else a launch after)
+    project_d: bool  # normalize: the owner chains dD through D's normalization (else a launch after)
     num_warps: int
     launches: dict  # the launcher's plan cache of the main launch (see Launcher)
 
@@ -343,7 +345,7 @@ def _backward_plan(
 ) -> _BackwardPlan:
     Nq, Lq, Bd, K, Ld, dim = dims(Q, D, rg)
     shared = Bd == 1 and not sg.pairs
-    cfg = backward_config(Lq, dim, not shared and not sg.pairs)
+    cfg = backward_config(Lq, dim, not shared and not sg.pairs, normalize)
     grad_contiguous = grad.stride(0) != grad.stride(1) * grad.shape[1]  # kernels read grad at (q*K + k) * stride
     grad_stride = 1 if grad_contiguous else grad.stride(1)
     n_queries = sg.n_q if sg.q_kind == OFFSETS else Q.shape[0]
@@ -389,7 +391,11 @@ def _backward_plan(
     # walk would reload them per block (H100: candidates 64x8 Lq128 Ld300 backward 62 -> 69 us): a program each.
     doc_walk = not shared and not sg.pairs and Lq <= cfg.TQ
     n_dd = (n_owned * (1 if doc_walk else n_jb) * n_kb) if dd_owned else 0
-    direct_d = not normalize and (dd_owned or D.dtype == torch.float32)
+    # With normalize, a program holding whole gradient rows chains them through the normalization itself (written
+    # in the input's dtype: no fp32 buffer, no pass afterwards); the rest is projected by one launch after.
+    project_q = normalize and n_dq > 0
+    project_d = normalize and n_dd > 0 and n_kb == 1
+    direct_d = (not normalize and (dd_owned or D.dtype == torch.float32)) or project_d
     fused_sc = not dd_owned and bool(FUSED_SCATTER)
     n_dsc = n_pairs * n_tb if fused_sc else 0
     dd_sc = (
@@ -417,13 +423,14 @@ def _backward_plan(
     main = (
         n_dq + n_dd + n_dsc,
         (*ints, n_dq),
-        dict(constexprs, UNROLL=unroll, DQ_GATHER=n_dq > 0, DD_OWNED=n_dd > 0, DD_SCATTER=n_dsc > 0),
-    )
+        dict(constexprs, UNROLL=unroll, DQ_GATHER=n_dq > 0, DD_OWNED=n_dd > 0, DD_SCATTER=n_dsc > 0,
+             PROJECT_Q=project_q, PROJECT_D=project_d),
+    )  # fmt: skip
     return _BackwardPlan(
-        grad_contiguous, dq_scatter, torch.float32 if (normalize or dq_scatter) else Q.dtype,
+        grad_contiguous, dq_scatter, torch.float32 if dq_scatter else Q.dtype,
         sg.pairs and not scan_q and not dq_scatter, n_queries,
         dd_owned, D.dtype if direct_d else torch.float32, sg.pairs and dd_owned and not scan_d, n_docs,
-        main, dq_sc, dd_sc, direct_d, cfg.num_warps, {},
+        main, dq_sc, dd_sc, direct_d, project_q, project_d, cfg.num_warps, {},
     )  # fmt: skip
 
 
@@ -489,7 +496,8 @@ def backward(
         grid, ints, constexprs = plan.dd_sc
         _bwd_scatter(grid, (grad, argmax, Q, gd, inv_q, *segs), ints, constexprs, nw)
 
-    if normalize:  # (the chain rule through the normalization, written in the inputs' dtypes)
-        return normalize_kernels.project(dQ, Q, gd, D)
-    dD = gd if plan.direct_d else gd.to(D.dtype)
+    if normalize and not (plan.project_q and plan.project_d):  # the chain rule for the rest, in the inputs' dtypes
+        pq, pd = normalize_kernels.project(None if plan.project_q else dQ, Q, None if plan.project_d else gd, D)
+        dQ, gd = (dQ if pq is None else pq), (gd if pd is None else pd)
+    dD = gd if gd.dtype == D.dtype else gd.to(D.dtype)
     return (dQ if dQ.dtype == Q.dtype else dQ.to(Q.dtype)), dD

@@ -5,6 +5,10 @@ with respect to ``x̂`` (in fp32) from the inverse norms; the gradient with resp
 ``(ĝ − x̂ <x̂, ĝ>) / max(||x||, eps)`` (just ``ĝ / eps`` where the norm is below ``eps``), and exactly zero for a token
 whose ``ĝ`` is zero (masked, or never chosen), even when it holds NaN or inf.
 
+Where a backward program holds whole rows of a gradient (the dQ gather, and the dD owner when one dim block covers
+``dim``), it applies the chain rule itself before storing (:func:`project_rows`): no fp32 buffer, no extra pass.
+The rest (fp32 atomics, dQ of long pair lists, dims split over programs) goes through :func:`project`.
+
 Written as PyTorch ops that is a dozen passes over ``[tokens, dim]`` fp32 tensors and a dozen launches (6.6 ms of a
 candidates 256×16 Ld300 training step on an H100, against ~0.5 ms without ``normalize``). Here each end is one
 launch for Q and D together: a program owns ``BR`` rows of one of the two tensors, reads them once for the sums and
@@ -55,6 +59,25 @@ def _clamped_norm(sq, EPS: tl.constexpr):
 
 
 @triton.jit
+def _chain(g, x, sq, xg, nz, EPS: tl.constexpr):
+    """The chain rule for rows of ``g`` (w.r.t. ``x̂``) and ``x`` (fp32, any column block of the rows) from the rows'
+    ``Σ x²``, ``Σ x·g`` and any-nonzero flags over all their columns."""
+    norm, small = _clamped_norm(sq, EPS)
+    inv = 1.0 / norm
+    radial = xg * inv  # <x̂, ĝ>
+    out = tl.where(small[:, None], g, g - (x * inv[:, None]) * radial[:, None]) / norm[:, None]
+    return tl.where(nz[:, None] != 0, out, 0.0)
+
+
+@triton.jit
+def project_rows(g, x, EPS: tl.constexpr):
+    """The chain rule for whole rows held in registers (``g``, ``x`` fp32 ``[rows, cols]``, zeros past ``dim``):
+    what the backward kernels apply to the gradient blocks they own before storing them."""
+    nz = tl.max((g != 0).to(tl.int32), axis=1)
+    return _chain(g, x, tl.sum(x * x, axis=1), tl.sum(x * g, axis=1), nz, EPS)
+
+
+@triton.jit
 def _inverse_norm_rows(X, INV, n_rows, stride, dim, pid, BR: tl.constexpr, BD: tl.constexpr,
                        NUM_D: tl.constexpr, EPS: tl.constexpr):  # fmt: skip
     rows = pid * BR + tl.arange(0, BR)
@@ -84,16 +107,12 @@ def _project_rows(X, G, OUT, n_rows, stride, dim, pid, BR: tl.constexpr, BD: tl.
     ok = rows < n_rows
     rows = rows.to(tl.int64)
     sq, xg, nz = _row_sums(X, G, rows, ok, stride, dim, BR, BD, NUM_D, True)
-    norm, small = _clamped_norm(sq, EPS)
-    inv = 1.0 / norm
-    radial = xg * inv  # <x̂, ĝ>
     for c in tl.static_range(NUM_D):
         cols = c * BD + tl.arange(0, BD)
         m = ok[:, None] & (cols < dim)[None, :]
         x = tl.load(X + rows[:, None] * stride + cols[None, :], mask=m, other=0.0).to(tl.float32)
         g = tl.load(G + rows[:, None] * dim + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        out = tl.where(small[:, None], g, g - (x * inv[:, None]) * radial[:, None]) / norm[:, None]
-        out = tl.where(nz[:, None] != 0, out, 0.0)
+        out = _chain(g, x, sq, xg, nz, EPS)
         tl.store(OUT + rows[:, None] * dim + cols[None, :], out.to(OUT.dtype.element_ty), mask=m)
 
 
@@ -143,18 +162,23 @@ def inverse_norms(Q: Tensor, D: Tensor) -> tuple[Tensor, Tensor]:
     return inv_q, inv_d
 
 
-def project(gQ: Tensor, Q: Tensor, gD: Tensor, D: Tensor) -> tuple[Tensor, Tensor]:
+def project(gQ: Tensor | None, Q: Tensor, gD: Tensor | None, D: Tensor) -> tuple[Tensor | None, Tensor | None]:
     """Gradients with respect to ``Q`` and ``D`` (their shapes and dtypes) from ``gQ``, ``gD``, the gradients with
-    respect to their normalized tokens (contiguous, fp32 or the inputs' dtype). One launch, no sync."""
-    q, d = _rows(Q), _rows(D)
-    gq, gd = gQ.contiguous().view(-1, Q.shape[-1]), gD.contiguous().view(-1, D.shape[-1])
-    dQ, dD = (
-        torch.empty_like(Q, memory_format=torch.contiguous_format),
-        torch.empty_like(D, memory_format=torch.contiguous_format),
-    )
-    p1 = triton.cdiv(q.shape[0], BR)
-    grid = p1 + triton.cdiv(d.shape[0], BR)
+    respect to their normalized tokens (contiguous, fp32 or the inputs' dtype). A side given as None (the backward
+    kernel projected it already) comes back None. One launch, no sync."""
+    rows, outs = [], []
+    for g, x in ((gQ, Q), (gD, D)):
+        if g is not None:
+            outs.append(torch.empty_like(x, memory_format=torch.contiguous_format))
+            rows.append((_rows(x), g.contiguous().view(-1, x.shape[-1]), outs[-1].view(-1, x.shape[-1])))
+    if not rows:
+        return None, None
+    (x1, g1, o1), (x2, g2, o2) = rows[0], rows[-1]  # (one side: the second is the first, with no programs)
+    n2 = x2.shape[0] if len(rows) == 2 else 0
+    p1 = triton.cdiv(x1.shape[0], BR)
+    grid = p1 + triton.cdiv(n2, BR)
     if grid:
-        ints = (q.shape[0], d.shape[0], q.stride(0), d.stride(0), Q.shape[-1], p1)
-        _project(grid, (q, gq, dQ, d, gd, dD), ints, _constexprs(Q.shape[-1]), 4)
-    return dQ, dD
+        ints = (x1.shape[0], n2, x1.stride(0), x2.stride(0), x1.shape[-1], p1)
+        _project(grid, (x1, g1, o1, x2, g2, o2), ints, _constexprs(x1.shape[-1]), 4)
+    it = iter(outs)
+    return (None if gQ is None else next(it)), (None if gD is None else next(it))
