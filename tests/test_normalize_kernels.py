@@ -141,3 +141,25 @@ def test_backward_programs_project_the_rows_they_hold(case, fused_q, fused_d, mo
     names = [name for name, _ in launches]
     assert names.count("project_kernel") == (0 if fused_q and fused_d else 1)
     assert names.count("inverse_norms_kernel") == 1
+
+
+@pytest.mark.parametrize("Lq, normalize, given", [(200, True, True), (32, True, False), (200, False, False)])
+def test_forward_reads_inverse_norms_for_split_queries(Lq, normalize, given, monkeypatch):
+    """A query split into row blocks reads its tokens' inverse norms from one pre-pass launch; other forwards sum
+    each tile's squares as they go (see launch.PRENORM_MIN_ROW_BLOCKS)."""
+    from maxsim.kernels import launch, launcher
+
+    launches: list = []
+
+    def record(self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0):
+        launches.append((self.kernel.__name__, constexprs))
+
+    monkeypatch.setattr(launcher.Launcher, "__call__", record)
+    monkeypatch.setattr(launch, "INTERPRETER", False)
+    launch._plans.clear()
+    launch.forward(torch.randn(2, Lq, 64), torch.randn(1, 3, 40, 64), None, None, normalize, True)
+    launch._plans.clear()
+    names = [name for name, _ in launches]
+    assert names.count("inverse_norms_kernel") == int(given)
+    fwd = [c for name, c in launches if name == "maxsim_fwd_kernel"]
+    assert len(fwd) == 1 and fwd[0]["NORMS_GIVEN"] == given and fwd[0]["NORMALIZE"] == normalize

@@ -57,6 +57,7 @@ CANDIDATE_CASES = [
     (1, 3, 32, 300, 48, None, False),
     (2, 1, 1, 1, 96, "holes", True),
     (2, 2, 140, 12, 16, None, False),  # long queries against their own candidates
+    (2, 2, 140, 12, 16, "holes", True),  # (normalized: the forward reads the pre-pass's inverse norms)
 ]
 
 # (B, Lq, Ld, dim, masks, normalize)

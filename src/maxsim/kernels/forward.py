@@ -58,9 +58,10 @@ def _argmax_slots(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SAVE_ARGMAX: tl.
 
 @triton.jit
 def _scan_tile(
-    qt, q_rows, row_ok, d_base, dm_doc, n0, d_len, dim, sd_l, sdm_l, m2, a2, any_valid,
+    qt, q_rows, row_ok, d_base, dm_doc, inv_doc, n0, d_len, dim, sd_l, sdm_l, sid_l, m2, a2, any_valid,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, HAS_DMASK: tl.constexpr,
-    NORMALIZE: tl.constexpr, SAVE_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    NORMALIZE: tl.constexpr, NORMS_GIVEN: tl.constexpr, SAVE_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):  # fmt: skip
     """One document tile ``[n0, n0 + BLOCK_N)`` folded into the running max ``m2`` (and argmax ``a2``) of shape
     ``[rows, BLOCK_N]``; ``any_valid [BLOCK_N]`` remembers whether a column slot ever held a valid token."""
@@ -70,7 +71,8 @@ def _scan_tile(
     if HAS_DMASK:
         col_ok = col_ok & (tl.load(dm_doc + cols * sdm_l, mask=in_doc, other=0) != 0)
     s = tl.zeros([qt.shape[0], BLOCK_N], dtype=tl.float32)
-    if NORMALIZE:
+    SUMSQ: tl.constexpr = NORMALIZE and not NORMS_GIVEN
+    if SUMSQ:
         sumsq = tl.zeros([BLOCK_N], dtype=tl.float32)
     for kc in tl.static_range(NUM_K):
         if NUM_K > 1:
@@ -80,14 +82,17 @@ def _scan_tile(
         dt = tl.load(
             d_base + cols[:, None] * sd_l + kd[None, :], mask=col_ok[:, None] & (kd[None, :] < dim), other=0.0
         )  # [BLOCK_N, BLOCK_K], contiguous along dim
-        if NORMALIZE:
+        if SUMSQ:
             dtf = dt.to(tl.float32)
             sumsq += tl.sum(dtf * dtf, axis=1)
         if UPCAST:
             dt = dt.to(tl.float32)
         s = tl.dot(qt, tl.trans(dt), s, input_precision=DOT_PRECISION)
     if NORMALIZE:
-        s = s * (1.0 / tl.maximum(tl.sqrt(sumsq), NORM_EPS))[None, :]
+        if NORMS_GIVEN:  # (a load of BLOCK_N floats; the sum of squares of the tile cost a layout round trip)
+            s = s * tl.load(inv_doc + cols * sid_l, mask=col_ok, other=0.0)[None, :]
+        else:
+            s = s * (1.0 / tl.maximum(tl.sqrt(sumsq), NORM_EPS))[None, :]
     # The running max costs ALU instructions per element that the MMA does not hide; a full tile of a document
     # without a mask has nothing to mask, so only a document's last tile (or a masked document) pays the select.
     if HAS_DMASK:
@@ -108,9 +113,9 @@ def _scan_tile(
 
 @triton.jit
 def _finish_rows(
-    m2, a2, n_end, any_valid, qt, q_rows, row_ok, dim,
+    m2, a2, n_end, any_valid, qt, q_rows, inv_rows, row_ok, dim,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, NORMALIZE: tl.constexpr,
-    SAVE_ARGMAX: tl.constexpr, UPCAST: tl.constexpr,
+    NORMS_GIVEN: tl.constexpr, SAVE_ARGMAX: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """Row maxima of one row block after its last tile: ``(value [rows] (0 where the row is not live), argmax
     [rows] (-1 there), live [rows])``; the cross-lane reduction happens here, once per row block."""
@@ -119,7 +124,9 @@ def _finish_rows(
     if SAVE_ARGMAX:
         a2 = (a2 + n_end).to(tl.int32)  # tile offsets from the end of the last tile scanned (n_end)
         _m, a = tl.reduce((m2, a2 + tl.arange(0, BLOCK_N)[None, :]), 1, _argmax_combine)
-    if NORMALIZE:
+    if NORMALIZE and NORMS_GIVEN:
+        m = m * tl.load(inv_rows, mask=row_ok, other=0.0)
+    elif NORMALIZE:
         # The query's norm is a positive per-row factor: it scales the max without moving the argmax.
         sumsq_q = tl.zeros([qt.shape[0]], dtype=tl.float32)
         for kc in tl.static_range(NUM_K):
@@ -142,11 +149,13 @@ def _finish_rows(
     ]
 )  # fmt: skip
 def maxsim_fwd_kernel(
-    Q, D, QM, DM, QSEG, DSEG, PQ, PD, OUT, ARG,
+    Q, D, QM, DM, QSEG, DSEG, PQ, PD, OUT, ARG, INV_Q, INV_D,
     Nq, K, Lq, Ld, dim,
     n_qseq, n_qrows, n_dseq, n_drows,
     sq_n, sq_l,
     sd_b, sd_k, sd_l,
+    siq_n, siq_l,
+    sid_b, sid_k, sid_l,
     sqm_n, sqm_l,
     sdm_b, sdm_k, sdm_l,
     sqs, sds_b, sds_k,
@@ -154,10 +163,13 @@ def maxsim_fwd_kernel(
     TQ: tl.constexpr, BQ: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
     Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr,
     HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr, NORMALIZE: tl.constexpr, SAVE_ARGMAX: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PERSIST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PERSIST: tl.constexpr, NORMS_GIVEN: tl.constexpr,
 ):  # fmt: skip
     """Scores ``OUT [n_rsplit, Nq, K]`` and argmax ``ARG [Nq, K, Lq]``; a pair list runs as ``Nq = 1``, ``K`` =
     number of pairs, query and document of pair ``k`` read from ``PQ[k]``, ``PD[k]``.
+
+    ``NORMALIZE``: tokens scored as ``x / max(||x||, eps)``, from the inverse norms ``INV_Q``, ``INV_D`` (fp32, laid
+    out as the tokens, with strides ``siq_*``, ``sid_*``) where ``NORMS_GIVEN``, else from the tiles themselves.
 
     ``PERSIST``: the program walks ``docs_per_prog`` consecutive dense documents of its batch row (shared ones, or
     one query's candidates; ``rows_per_prog <= TQ``, ``NUM_K == 1``) in one flattened tile loop: its queries are
@@ -182,6 +194,11 @@ def maxsim_fwd_kernel(
         doc = kk
         b = (qb * BQ).to(tl.int64)  # BQ > 1 only when documents are shared (sd_b == 0)
     q_base, _q_tok0, q_len, q_bad = query_segment(Q, QSEG, q_src, q_in, Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, Q_KIND)
+    iq_base = INV_Q
+    if NORMS_GIVEN:  # (the inverse norms have the tokens' layout: the same segments, with their own strides)
+        iq_base, _iq_tok0, _iq_len, _iq_bad = query_segment(
+            INV_Q, QSEG, q_src, q_in, Lq, n_qseq, n_qrows, siq_n, siq_l, sqs, Q_KIND
+        )
     q_bad_blk = tl.max(tl.reshape(q_bad.to(tl.int32), [BQ, TQ]), axis=1) > 0
     r_lo = rs * rows_per_prog
     r_hi = tl.minimum(Lq, r_lo + rows_per_prog)
@@ -204,14 +221,14 @@ def maxsim_fwd_kernel(
             k = k_lo + it // n_tiles
             n0 = (it % n_tiles) * BLOCK_N
             m2, a2, any_valid = _scan_tile(
-                qt, q_rows, row_ok, D + b * sd_b + k * sd_k, DM + b * sdm_b + k * sdm_k, n0, Ld, dim, sd_l, sdm_l,
-                m2, a2, any_valid,
-                BLOCK_N, BLOCK_K, NUM_K, HAS_DMASK, NORMALIZE, SAVE_ARGMAX, DOT_PRECISION, UPCAST,
+                qt, q_rows, row_ok, D + b * sd_b + k * sd_k, DM + b * sdm_b + k * sdm_k, INV_D + b * sid_b + k * sid_k,
+                n0, Ld, dim, sd_l, sdm_l, sid_l, m2, a2, any_valid,
+                BLOCK_N, BLOCK_K, NUM_K, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX, DOT_PRECISION, UPCAST,
             )  # fmt: skip
             if n0 + BLOCK_N >= Ld:  # the document's last tile: its scores, then a fresh running max
                 row_val, a, _live = _finish_rows(
-                    m2, a2, n0 + BLOCK_N, any_valid, qt, q_rows, row_ok, dim, BLOCK_N, BLOCK_K, NUM_K, NORMALIZE,
-                    SAVE_ARGMAX, UPCAST,
+                    m2, a2, n0 + BLOCK_N, any_valid, qt, q_rows, iq_base + t * siq_l, row_ok, dim, BLOCK_N, BLOCK_K,
+                    NUM_K, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX, UPCAST,
                 )  # fmt: skip
                 if SAVE_ARGMAX:
                     tl.store(ARG + (q_out.to(tl.int64) * K + k) * Lq + t, a, mask=q_in & (t < r_hi))
@@ -227,6 +244,11 @@ def maxsim_fwd_kernel(
         )
         d_len = d_len.to(tl.int32)  # the tile loop's index feeds the int32 argmax
         dm_doc = DM + b * sdm_b + kk * sdm_k
+        inv_doc = INV_D
+        if NORMS_GIVEN:
+            inv_doc, _id_tok0, _id_len, _id_bad = doc_segment(
+                INV_D, DSEG, b, doc, K, Ld, n_dseq, n_drows, sid_b, sid_k, sid_l, sds_b, sds_k, D_KIND
+            )
 
         score = tl.zeros([BQ], dtype=tl.float32)
         # Long queries are split over programs in blocks of rows_per_prog rows; each writes a partial score. Rows
@@ -246,12 +268,13 @@ def maxsim_fwd_kernel(
             any_valid = tl.zeros([BLOCK_N], dtype=tl.int32)
             for n0 in range(0, d_len, BLOCK_N):
                 m2, a2, any_valid = _scan_tile(
-                    qt, q_rows, row_ok, d_base, dm_doc, n0, d_len, dim, sd_l, sdm_l, m2, a2, any_valid,
-                    BLOCK_N, BLOCK_K, NUM_K, HAS_DMASK, NORMALIZE, SAVE_ARGMAX, DOT_PRECISION, UPCAST,
+                    qt, q_rows, row_ok, d_base, dm_doc, inv_doc, n0, d_len, dim, sd_l, sdm_l, sid_l, m2, a2,
+                    any_valid, BLOCK_N, BLOCK_K, NUM_K, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX,
+                    DOT_PRECISION, UPCAST,
                 )  # fmt: skip
             row_val, a, _live = _finish_rows(
-                m2, a2, tl.cdiv(d_len, BLOCK_N) * BLOCK_N, any_valid, qt, q_rows, row_ok, dim, BLOCK_N, BLOCK_K,
-                NUM_K, NORMALIZE, SAVE_ARGMAX, UPCAST,
+                m2, a2, tl.cdiv(d_len, BLOCK_N) * BLOCK_N, any_valid, qt, q_rows, iq_base + t * siq_l, row_ok, dim,
+                BLOCK_N, BLOCK_K, NUM_K, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX, UPCAST,
             )  # fmt: skip
             score += tl.sum(tl.reshape(row_val, [BQ, TQ]), axis=1)
             if SAVE_ARGMAX:

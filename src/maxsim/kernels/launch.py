@@ -44,6 +44,13 @@ FUSED_SCATTER = 1
 # atomics (see _backward_plan).
 DQ_UNROLL = 4
 FUSED_DQ_UNROLL = 1
+# normalize=True: a query split into row blocks (one program each) has every document tile read by each of its
+# blocks, and each would sum the tile's squares again: those forwards read the tokens' inverse norms from a pre-pass
+# (one launch over Q and D). H100, in-process against the tile sums: ColPali 1x500 Lq1024 Ld1024 inference 608 ->
+# 356 us, training 32x32 Lq1024 Ld1024 1356 -> 1271 us. Elsewhere the tile sums stay: with the pre-pass for every
+# shape, packed queries lost (corpus scan 16.2 -> 27.6 ms, training 256x256 Ld300 1.33 -> 1.62 ms) and so did small
+# steps (one launch more), while some memory-bound rows gained (candidates 32x100 0.81x, varlen 0.67x).
+PRENORM_MIN_ROW_BLOCKS = 2
 # How much faster one-document programs run than a persistent plan of one program per multiprocessor counts them
 # (two stay resident; see forward). Fitted to the H100 measurements there: any value in (1.13, 1.8) orders them.
 ONE_DOC_GAIN = 1.3
@@ -174,6 +181,7 @@ class _ForwardPlan(NamedTuple):
     K: int
     Lq: int
     n_rsplit: int
+    norms_given: bool  # normalize from a pre-pass's inverse norms (see PRENORM_MIN_ROW_BLOCKS)
     grid: int
     ints: tuple
     constexprs: dict
@@ -207,7 +215,7 @@ def forward(
         key = (
             Q.device, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype,
             None if q_mask is None else q_mask.stride(), None if d_mask is None else d_mask.stride(),
-            normalize, need_argmax, torch.get_float32_matmul_precision(), _ragged_key(rg),
+            normalize, need_argmax, torch.get_float32_matmul_precision(), _ragged_key(rg), PRENORM_MIN_ROW_BLOCKS,
         )  # fmt: skip
         plan = _plans.get(key)
         if plan is not None:
@@ -239,13 +247,16 @@ def forward(
         # documents persistence still wins (64x64 Ld128 0.025 against 0.032 ms, 256x256 Ld300 0.54 against 0.62).
         gain = ONE_DOC_GAIN if cfg.persist == 1 else 1.0
         docs_per_prog = _docs_per_program(n_qblocks * n_rsplit, K, slots, triton_cdiv(Ld, cfg.BLOCK_N), gain)
+    norms_given = normalize and n_rsplit >= PRENORM_MIN_ROW_BLOCKS
+    inv_q_strides = _q_strides(torch.empty(Q.shape[:-1] + (1,), device="meta")) if norms_given else (0, 0)
+    inv_d_strides = _d_strides(torch.empty(D.shape[:-1] + (1,), device="meta"), shared) if norms_given else (0, 0, 0)
     plan = _ForwardPlan(
-        Nq, K, Lq, n_rsplit,
+        Nq, K, Lq, n_rsplit, norms_given,
         n_qblocks * n_rsplit * triton_cdiv(K, docs_per_prog),
         (
             Nq, K, Lq, Ld, dim,
             sg.n_q, sg.rows_q, sg.n_d, sg.rows_d,
-            *_q_strides(Q), *_d_strides(D, shared), *sqm, *sdm,
+            *_q_strides(Q), *_d_strides(D, shared), *inv_q_strides, *inv_d_strides, *sqm, *sdm,
             sg.sqs, sg.sds_b, sg.sds_k,
             n_qblocks, n_rsplit, rows_per_prog, docs_per_prog,
         ),
@@ -254,7 +265,7 @@ def forward(
             Q_KIND=sg.q_kind, D_KIND=sg.d_kind, PAIR_LIST=sg.pairs,
             HAS_QMASK=q_mask is not None, HAS_DMASK=d_mask is not None, NORMALIZE=normalize,
             SAVE_ARGMAX=need_argmax, DOT_PRECISION=_dot_precision(Q.dtype), UPCAST=_upcast(Q.dtype),
-            PERSIST=docs_per_prog > 1,
+            PERSIST=docs_per_prog > 1, NORMS_GIVEN=norms_given,
         ),
         cfg.num_warps,
         cfg.num_stages,
@@ -282,7 +293,8 @@ def _run_forward(
     dm = Q if d_mask is None else d_mask.view(torch.uint8)
     segs = (Q, Q, Q, Q) if sg is None else (sg.qseg, sg.dseg, sg.pq, sg.pd)
     arg = scores if argmax is None else argmax
-    tensors = (Q, D, qm, dm, *segs, out, arg)
+    inv = normalize_kernels.inverse_norms(Q, D) if plan.norms_given else (Q, D)  # (else unused pointers)
+    tensors = (Q, D, qm, dm, *segs, out, arg, *inv)
     _fwd(plan.grid, tensors, plan.ints, plan.constexprs, plan.num_warps, plan.num_stages, plan.launches, plan.maxnreg)
     if n_rsplit > 1:
         torch.sum(out, dim=0, out=scores)
