@@ -1,4 +1,5 @@
-"""The per-token ends of ``normalize=True``'s backward: inverse norms before it, the chain rule after it.
+"""The per-token pieces of ``normalize=True``: inverse norms (for the backward, and for the forward of queries split
+into row blocks, see ``launch.PRENORM_MIN_ROW_BLOCKS``) and the chain rule that ends the backward.
 
 The scores of normalized tokens depend on ``x̂ = x / max(||x||, eps)``. The backward kernels produce the gradient
 with respect to ``x̂`` (in fp32) from the inverse norms; the gradient with respect to ``x`` is then, per token,
