@@ -183,12 +183,54 @@ def backward(
     return dQ.to(Q.dtype), dD.to(D.dtype)
 
 
-def add_links(dQ: Tensor, dD: Tensor, Q: Tensor, D: Tensor, rows_q: Tensor, rows_d: Tensor, w: Tensor) -> None:
+def add_links(
+    dQ: Tensor,
+    dD: Tensor,
+    Q: Tensor,
+    D: Tensor,
+    rows_q: Tensor,
+    rows_d: Tensor,
+    w: Tensor,
+    inv_q: Tensor | None = None,
+    inv_d: Tensor | None = None,
+) -> None:
     """For every link ``i`` (query row ``rows_q[i]`` chose document row ``rows_d[i]``, upstream weight ``w[i]``):
     ``dQ[rows_q[i]] += w[i] · D[rows_d[i]]`` and ``dD[rows_d[i]] += w[i] · Q[rows_q[i]]``, on flat ``[rows, dim]``
-    tensors. Only chosen rows are read, so a masked token holding NaN or inf never reaches a gradient."""
-    dQ.index_add_(0, rows_q, torch.index_select(D, 0, rows_d) * w[:, None])
-    dD.index_add_(0, rows_d, torch.index_select(Q, 0, rows_q) * w[:, None])
+    tensors. Only chosen rows are read, so a masked token holding NaN or inf never reaches a gradient. Given a
+    tensor's inverse norms (``normalize``: see :func:`normalized_rows`) its rows are scaled as they are read."""
+    d_rows = torch.index_select(D, 0, rows_d)
+    q_rows = torch.index_select(Q, 0, rows_q)
+    if inv_d is not None:
+        d_rows = d_rows * inv_d.index_select(0, rows_d)[:, None]
+    if inv_q is not None:
+        q_rows = q_rows * inv_q.index_select(0, rows_q)[:, None]
+    dQ.index_add_(0, rows_q, d_rows * w[:, None])
+    dD.index_add_(0, rows_d, q_rows * w[:, None])
+
+
+def normalized_rows(x: Tensor, n_links: int) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+    """For a backward over ``n_links`` links with normalize: ``(rows to gather, inverse norms to scale them by as
+    they are read (or None), ||x||, 1 / max(||x||, eps))`` of the flat rows ``x``. A tensor with fewer rows than
+    links is normalized once (a copy); one with more (a large D's candidates, most rows never chosen) is scaled
+    link by link instead."""
+    norm = torch.linalg.vector_norm(x, dim=-1)
+    inv = 1.0 / norm.clamp_min(NORM_EPS)
+    if x.shape[0] <= n_links:
+        return x * inv[:, None], None, norm, inv
+    return x, inv, norm, inv
+
+
+def project_chosen(g_hat: Tensor, x: Tensor, norm: Tensor, inv: Tensor) -> Tensor:
+    """:func:`project_normalized_grad` of the flat rows ``g_hat [rows, dim]`` (w.r.t. ``x̂``), given ``x``'s rows and
+    :func:`norms`. Where few rows received a gradient (a large D's candidates), only those are read and projected
+    (a ``nonzero``: for the CPU path); the others stay exactly zero."""
+    rows = (g_hat != 0).any(dim=-1).nonzero().squeeze(1)
+    if 2 * rows.shape[0] > g_hat.shape[0]:
+        return project_normalized_grad(g_hat, x * inv[:, None], norm)
+    x_hat = x.index_select(0, rows) * inv.index_select(0, rows)[:, None]
+    out = torch.zeros_like(g_hat)
+    out.index_copy_(0, rows, project_normalized_grad(g_hat.index_select(0, rows), x_hat, norm.index_select(0, rows)))
+    return out
 
 
 def _backward_links(grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, normalize: bool) -> tuple[Tensor, Tensor]:
@@ -198,9 +240,11 @@ def _backward_links(grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, normaliz
     Bd, K, Ld, _ = D.shape
     acc = accum_dtype(Q.dtype)
     Qa, Da = _as(Q, acc), _as(D, acc)
-    if normalize:
-        (Qa, norm_q), (Da, norm_d) = _normalized(Qa), _normalized(Da)
     Qf, Df = Qa.reshape(Nq * Lq, dim), Da.reshape(Bd * K * Ld, dim)
+    link_inv_q = link_inv_d = None
+    if normalize:
+        Qf, link_inv_q, norm_q, inv_q = normalized_rows(Qf, Nq * K * Lq)
+        Df, link_inv_d, norm_d, inv_d = normalized_rows(Df, Nq * K * Lq)
     dQ, dD = torch.zeros_like(Qf), torch.zeros_like(Df)
     if Nq and K and Lq and Ld:
         nq = max(1, min(Nq, BLOCK_BYTES // max(1, K * Lq * dim * Qf.element_size() * 4)))
@@ -214,11 +258,11 @@ def _backward_links(grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, normaliz
             q = pair // K + q0
             doc = (q if Bd != 1 else 0) * K + pair % K  # row of document (b, k) in [Bd * K]
             w = _as(grad[q0:q1], acc).reshape(-1).index_select(0, pair)
-            add_links(dQ, dD, Qf, Df, q * Lq + f % Lq, doc * Ld + a.index_select(0, f), w)
-    dQ, dD = dQ.view(Nq, Lq, dim), dD.view(Bd, K, Ld, dim)
+            add_links(dQ, dD, Qf, Df, q * Lq + f % Lq, doc * Ld + a.index_select(0, f), w, link_inv_q, link_inv_d)
     if normalize:
-        dQ = project_normalized_grad(dQ, Qa, norm_q)
-        dD = project_normalized_grad(dD, Da, norm_d)
+        dQ = project_chosen(dQ, Qa.reshape(Nq * Lq, dim), norm_q, inv_q)
+        dD = project_chosen(dD, Da.reshape(Bd * K * Ld, dim), norm_d, inv_d)
+    dQ, dD = dQ.view(Nq, Lq, dim), dD.view(Bd, K, Ld, dim)
     return _as(dQ, Q.dtype), _as(dD, D.dtype)
 
 

@@ -238,8 +238,10 @@ def _packed_backward(
     out-of-range ids (NaN scores) contribute nothing."""
     acc = torch.float64 if Q.dtype == torch.float64 else torch.float32
     Qa, Da = Q.to(acc), D.to(acc)
+    Qr, Dr, link_inv_q, link_inv_d = Qa, Da, None, None
     if normalize:
-        (Qa, norm_q), (Da, norm_d) = cpu._normalized(Qa), cpu._normalized(Da)
+        Qr, link_inv_q, norm_q, inv_q = cpu.normalized_rows(Qa, argmax.numel())
+        Dr, link_inv_d, norm_d, inv_d = cpu.normalized_rows(Da, argmax.numel())
     dQ, dD = torch.zeros_like(Qa), torch.zeros_like(Da)
     rows_q, rows_d, Lq = Q.shape[0], D.shape[0], argmax.shape[-1]
     if rows_q and rows_d and argmax.numel():
@@ -264,8 +266,7 @@ def _packed_backward(
                 f, pair = f[keep], pair[keep]
             rq = (start_q.index_select(0, qi.index_select(0, pair)) + f % Lq).clamp(max=rows_q - 1)
             rd = (start_d.index_select(0, di.index_select(0, pair)) + a.index_select(0, f)).clamp(0, rows_d - 1)
-            cpu.add_links(dQ, dD, Qa, Da, rq, rd, g.index_select(0, pair))
+            cpu.add_links(dQ, dD, Qr, Dr, rq, rd, g.index_select(0, pair), link_inv_q, link_inv_d)
     if normalize:
-        dQ = cpu.project_normalized_grad(dQ, Qa, norm_q)
-        dD = cpu.project_normalized_grad(dD, Da, norm_d)
+        dQ, dD = cpu.project_chosen(dQ, Qa, norm_q, inv_q), cpu.project_chosen(dD, Da, norm_d, inv_d)
     return dQ.to(Q.dtype), dD.to(D.dtype)
