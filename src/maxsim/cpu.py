@@ -93,13 +93,20 @@ def _forward_block(
     q, Lq, dim = Q.shape
     b, k, Ld, _ = D.shape
     qb, db = _as(Q, acc), _as(D, acc)
+    # normalize: the documents' inverse norms scale either D (a copy) or the similarity block, whichever is smaller
+    # (each document token meets Lq query rows per query that scores it; a candidate's D is the larger one)
+    scale_sim = normalize and (Lq if b != 1 else q * Lq) < dim
     if normalize:
         qb = qb * _inv_norm(qb)[..., None]
-        db = db * _inv_norm(db)[..., None]
+        inv_d = _inv_norm(db)
+        if not scale_sim:
+            db = db * inv_d[..., None]
     if b == 1:
         sim = (qb.reshape(q * Lq, dim) @ db.reshape(k * Ld, dim).T).view(q, Lq, k, Ld)
     else:
         sim = torch.bmm(qb, db.reshape(q, k * Ld, dim).transpose(1, 2)).view(q, Lq, k, Ld)
+    if scale_sim:
+        sim.mul_(inv_d[:, None, :, :])
     valid = None  # [q or 1, Lq or 1, k or 1]: rows that count
     if d_mask is not None:
         sim.masked_fill_(~d_mask[:, None, :, :], float("-inf"))
