@@ -191,16 +191,9 @@ def backward(
 
 
 def add_links(
-    dQ: Tensor,
-    dD: Tensor,
-    Q: Tensor,
-    D: Tensor,
-    rows_q: Tensor,
-    rows_d: Tensor,
-    w: Tensor,
-    inv_q: Tensor | None = None,
-    inv_d: Tensor | None = None,
-) -> None:
+    dQ: Tensor, dD: Tensor, Q: Tensor, D: Tensor, rows_q: Tensor, rows_d: Tensor, w: Tensor,
+    inv_q: Tensor | None = None, inv_d: Tensor | None = None,
+) -> None:  # fmt: skip
     """For every link ``i`` (query row ``rows_q[i]`` chose document row ``rows_d[i]``, upstream weight ``w[i]``):
     ``dQ[rows_q[i]] += w[i] · D[rows_d[i]]`` and ``dD[rows_d[i]] += w[i] · Q[rows_q[i]]``, on flat ``[rows, dim]``
     tensors. Only chosen rows are read, so a masked token holding NaN or inf never reaches a gradient. Given a
