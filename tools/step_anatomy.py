@@ -1,9 +1,10 @@
 """Anatomy of a training step on the GPU: host time and GPU time of each piece, dense vs pair list.
 
-Usage: python tools/step_anatomy.py [--out FILE] [--kernels]. For every piece, ``host`` is perf_counter per call without
-synchronizing (what the Python side costs) and ``gpu`` is triton's do_bench (what a stream of such calls costs end to
-end: whichever of host and device is slower). A step is host-bound where host ≈ gpu. ``--kernels`` also prints the
-GPU time per kernel of the large training steps (design.md §7), the GPU-bound ones.
+Usage: python tools/step_anatomy.py [--out FILE] [--kernels] [--cross]. For every piece, ``host`` is perf_counter per
+call without synchronizing (what the Python side costs) and ``gpu`` is triton's do_bench (what a stream of such calls
+costs end to end: whichever of host and device is slower). A step is host-bound where host ≈ gpu. ``--kernels`` also
+prints the GPU time per kernel of the large training steps (design.md §7), the GPU-bound ones; ``--cross`` times the
+pieces of those cross-product steps too (which of them are host-bound).
 """
 
 from __future__ import annotations
@@ -67,11 +68,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--kernels", action="store_true")
+    ap.add_argument("--cross", action="store_true")
     args = ap.parse_args()
     if args.kernels:
         large_steps()
     dt = torch.bfloat16
     res = {}
+    if args.cross:
+        for label, (nq, nd, lq, ld, dim) in TRAIN_CROSS_SHAPES.items():
+            Q = torch.randn(nq, lq, dim, device="cuda", dtype=dt)
+            D = torch.randn(nd, ld, dim, device="cuda", dtype=dt)
+            res[label] = pieces(label, lambda q, d: maxsim.maxsim(q, d), Q, D, None)
     B, K, Lq, Ld, dim = 64, 32, 32, 180, 128
     Q = torch.randn(B, Lq, dim, device="cuda", dtype=dt)
     D = torch.randn(B, K, Ld, dim, device="cuda", dtype=dt)
