@@ -143,11 +143,23 @@ def test_backward_programs_project_the_rows_they_hold(case, fused_q, fused_d, mo
     assert names.count("inverse_norms_kernel") == 1
 
 
-@pytest.mark.parametrize("Lq, normalize, given", [(200, True, True), (32, True, False), (200, False, False)])
-def test_forward_reads_inverse_norms_for_split_queries(Lq, normalize, given, monkeypatch):
-    """A query split into row blocks reads its tokens' inverse norms from one pre-pass launch; other forwards sum
-    each tile's squares as they go (see launch.PRENORM_MIN_ROW_BLOCKS)."""
+@pytest.mark.parametrize(
+    "layout, Lq, normalize, given",
+    [
+        ("cross", 200, True, True),  # split into row blocks: each would sum the same tiles
+        ("cross", 32, True, False),  # packed queries: the tiles' sums of squares
+        ("cross", 200, False, False),
+        ("candidates", 32, True, True),  # documents read by one program: the pre-pass
+        ("pair list", 32, True, True),
+    ],
+)
+def test_forward_reads_inverse_norms_from_a_pre_pass(layout, Lq, normalize, given, monkeypatch):
+    """Split queries and documents that one program reads (candidates, pairs, pair lists) take their tokens'
+    inverse norms from one pre-pass launch, and a training step hands them on to the backward (no second pre-pass);
+    packed queries against shared documents sum each tile's squares as they go (see launch.PRENORM_*)."""
+    from maxsim import ops
     from maxsim.kernels import launch, launcher
+    from maxsim.layout import Ragged
 
     launches: list = []
 
@@ -156,10 +168,24 @@ def test_forward_reads_inverse_norms_for_split_queries(Lq, normalize, given, mon
 
     monkeypatch.setattr(launcher.Launcher, "__call__", record)
     monkeypatch.setattr(launch, "INTERPRETER", False)
+    Q, D, rg = torch.randn(2, Lq, 64), torch.randn(1, 3, 40, 64), None
+    if layout == "candidates":
+        D = torch.randn(2, 3, 40, 64)
+    if layout == "pair list":
+        Q, D = torch.randn(2 * Lq, 64), torch.randn(47, 64)
+        cu_q, cu_d = torch.tensor([0, Lq, 2 * Lq]), torch.tensor([0, 5, 40, 47])
+        rg = Ragged(cu_q, cu_d, torch.tensor([0, 1, 1]), torch.tensor([2, 0, 2]), Lq, 35)
     launch._plans.clear()
-    launch.forward(torch.randn(2, Lq, 64), torch.randn(1, 3, 40, 64), None, None, normalize, True)
-    launch._plans.clear()
+    launch._bplans.clear()
+    s, arg, norms = ops.forward_impl(Q, D, None, None, normalize, True, "triton", rg)
+    assert (norms is not None) == given
     names = [name for name, _ in launches]
     assert names.count("inverse_norms_kernel") == int(given)
     fwd = [c for name, c in launches if name == "maxsim_fwd_kernel"]
     assert len(fwd) == 1 and fwd[0]["NORMS_GIVEN"] == given and fwd[0]["NORMALIZE"] == normalize
+    launches.clear()
+    ops.backward_impl(torch.ones(s.shape), Q, D, arg, normalize, False, "triton", rg, norms)
+    launch._plans.clear()
+    launch._bplans.clear()
+    names = [name for name, _ in launches]
+    assert names.count("inverse_norms_kernel") == int(normalize and not given), "the backward's own norms"

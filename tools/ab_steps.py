@@ -7,7 +7,7 @@ row reports the median and the minimum of both.
 
 Usage:
   python tools/ab_steps.py --make-old REV            # here: .devdata/oldpkg/maxsim_old from `git archive REV`
-  PYTHONPATH=src:.devdata/oldpkg python tools/ab_steps.py train|infer [PATTERN ...] [--normalize]   # on the GPU
+  PYTHONPATH=src:.devdata/oldpkg python tools/ab_steps.py train|infer [PATTERN ...] [--normalize] [--profile]  # GPU
                                                       # (carry .devdata)
   PYTHONPATH=src python tools/ab_steps.py train|infer [PATTERN ...] --normalize-cost   # normalize=True vs False
 
@@ -49,7 +49,10 @@ def _scorers(lib, normalize: bool) -> tuple:
     return tuple(functools.partial(f, normalize=True) for f in fns) if normalize else fns
 
 
-def compare(mode: str, patterns: list[str] | None, rounds: int, normalize: bool = False, plain: bool = False) -> None:
+def compare(
+    mode: str, patterns: list[str] | None, rounds: int, normalize: bool = False, plain: bool = False,
+    profile: bool = False,
+) -> None:  # fmt: skip
     import torch
     from triton.testing import do_bench
 
@@ -84,6 +87,11 @@ def compare(mode: str, patterns: list[str] | None, rounds: int, normalize: bool 
             f"{med['new'] / med['old']:5.2f}   (min new {min(times['new']):7.1f} old {min(times['old']):7.1f})",
             flush=True,
         )
+        if profile:
+            from probe_common import kernel_table
+
+            for n, c in calls.items():
+                kernel_table(f"{w.name} {n}", c, rows=6)
         del inp, calls
         torch.cuda.empty_cache()
 
@@ -96,11 +104,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--normalize", action="store_true", help="both versions called with normalize=True")
     ap.add_argument("--normalize-cost", action="store_true", help="this version with normalize=True against without")
+    ap.add_argument("--profile", action="store_true", help="GPU time per kernel of both versions (torch.profiler)")
     args = ap.parse_args()
     if args.make_old:
         make_old(args.make_old)
     if args.mode:
-        compare(args.mode, args.patterns or None, args.rounds, args.normalize, args.normalize_cost)
+        compare(args.mode, args.patterns or None, args.rounds, args.normalize, args.normalize_cost, args.profile)
 
 
 if __name__ == "__main__":

@@ -46,13 +46,14 @@ def forward_impl(
     need_argmax: bool,
     impl: str,
     rg: Ragged | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """Scores and argmax (None or empty when not asked for) of the chosen implementation."""
+) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor] | None]:
+    """Scores, argmax (None or empty when not asked for) and, where the implementation computed them, the tokens'
+    inverse norms of ``normalize=True`` (for :func:`backward_impl`; else None)."""
     if impl == "triton":
-        return _triton_path().forward(Q, D, q_mask, d_mask, normalize, need_argmax, rg)
+        return _triton_path().forward_keeping_norms(Q, D, q_mask, d_mask, normalize, need_argmax, rg)
     if rg is not None:
-        return cpu_ragged.forward(Q, D, normalize, need_argmax, rg)
-    return cpu.forward(Q, D, q_mask, d_mask, normalize, need_argmax)
+        return (*cpu_ragged.forward(Q, D, normalize, need_argmax, rg), None)
+    return (*cpu.forward(Q, D, q_mask, d_mask, normalize, need_argmax), None)
 
 
 def backward_impl(
@@ -64,9 +65,11 @@ def backward_impl(
     deterministic: bool,
     impl: str,
     rg: Ragged | None = None,
+    norms: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
+    """``(dQ, dD)``; ``norms``: what :func:`forward_impl` returned (the Triton path's only)."""
     if impl == "triton":
-        return _triton_path().backward(grad, Q, D, argmax, normalize, deterministic, rg)
+        return _triton_path().backward(grad, Q, D, argmax, normalize, deterministic, rg, norms)
     if rg is not None:
         return cpu_ragged.backward(grad, Q, D, argmax, normalize, deterministic, rg)
     return cpu.backward(grad, Q, D, argmax, normalize, deterministic)
@@ -97,7 +100,7 @@ def forward(
     ``max_d``. ``deterministic`` only matters to the backward (it is recorded here for autograd).
     """
     rg = ragged(q_seg, d_seg, pair_q, pair_d, max_q, max_d)
-    scores, argmax = forward_impl(Q, D, q_mask, d_mask, normalize, need_argmax, impl, rg)
+    scores, argmax, _norms = forward_impl(Q, D, q_mask, d_mask, normalize, need_argmax, impl, rg)
     return scores, (scores.new_empty((0,), dtype=torch.int32) if argmax is None else argmax)
 
 
@@ -182,8 +185,8 @@ class _MaxSimFunction(torch.autograd.Function):
         ctx.shapes = (Q.shape, D.shape)
         if views is not None:
             Q, D = _in_views(Q, D, views)
-        scores, argmax = forward_impl(Q, D, q_mask, d_mask, normalize, True, impl, rg)
-        ctx.save_for_backward(Q, D, argmax)
+        scores, argmax, norms = forward_impl(Q, D, q_mask, d_mask, normalize, True, impl, rg)
+        ctx.save_for_backward(Q, D, argmax, *(norms or ()))
         ctx.normalize, ctx.impl, ctx.deterministic, ctx.rg, ctx.grid = normalize, impl, deterministic, rg, scores.shape
         ctx.views = views
         # No zero-filled gradient for the (non-differentiable) argmax output: one allocation and fill fewer per step.
@@ -197,9 +200,11 @@ class _MaxSimFunction(torch.autograd.Function):
     def backward(ctx, grad_scores, _grad_argmax):
         if grad_scores is None:
             return (None,) * 9
-        Q, D, argmax = ctx.saved_tensors
+        Q, D, argmax, *norms = ctx.saved_tensors
         grad = grad_scores if ctx.views is None or ctx.views.out is None else grad_scores.view(ctx.grid)
-        dQ, dD = backward_impl(grad, Q, D, argmax, ctx.normalize, ctx.deterministic, ctx.impl, ctx.rg)
+        dQ, dD = backward_impl(
+            grad, Q, D, argmax, ctx.normalize, ctx.deterministic, ctx.impl, ctx.rg, tuple(norms) or None
+        )
         if ctx.views is not None:
             q_shape, d_shape = ctx.shapes
             dQ = dQ.view(q_shape) if ctx.views.q else dQ
@@ -245,7 +250,7 @@ def maxsim_canonical(
         r = () if rg is None else tuple(rg)
         out = forward(Q, D, q_mask, d_mask, normalize, need_argmax, impl, deterministic, *r)
     else:
-        out = forward_impl(Q, D, q_mask, d_mask, normalize, need_argmax, impl, rg)
+        out = forward_impl(Q, D, q_mask, d_mask, normalize, need_argmax, impl, rg)[:2]
     if views is not None and views.out is not None:
         out = _out_views(out[0], out[1] if return_argmax else None, views)
     return out if return_argmax else out[0]

@@ -51,6 +51,12 @@ FUSED_DQ_UNROLL = 1
 # shape, packed queries lost (corpus scan 16.2 -> 27.6 ms, training 256x256 Ld300 1.33 -> 1.62 ms) and so did small
 # steps (one launch more), while some memory-bound rows gained (candidates 32x100 0.81x, varlen 0.67x).
 PRENORM_MIN_ROW_BLOCKS = 2
+# Documents scored by one query each (candidates, pairs, pair lists) take the pre-pass too: one read of the tokens
+# for the norms costs less GPU time than the forward's tile sums there, and a training step hands the norms on to
+# the backward, which needs them anyway (same launches). H100, GPU time per call, in-process against the tile sums:
+# candidates 32x50 Lq32 Ld180 inference 81 -> 54 us, candidates 32x7 dim 48 12 -> 8 us, training pairs 512 156 ->
+# 125 us, candidates 256x16 Ld300 step 1.18 -> 0.90 ms. (Packed queries keep the tile sums, see above.)
+PRENORM_UNSHARED = 1
 # How much faster one-document programs run than a persistent plan of one program per multiprocessor counts them
 # (two stay resident; see forward). Fitted to the H100 measurements there: any value in (1.13, 1.8) orders them.
 ONE_DOC_GAIN = 1.3
@@ -181,7 +187,7 @@ class _ForwardPlan(NamedTuple):
     K: int
     Lq: int
     n_rsplit: int
-    norms_given: bool  # normalize from a pre-pass's inverse norms (see PRENORM_MIN_ROW_BLOCKS)
+    norms_given: bool  # normalize from a pre-pass's inverse norms (see PRENORM_*)
     grid: int
     ints: tuple
     constexprs: dict
@@ -210,12 +216,30 @@ def forward(
     A pair list gives ``[1, P]`` and ``[1, P, Lq]``. ``cfg`` overrides the launch table (offline tuning only).
     Calls reuse a plan keyed by shapes, strides, flags and maximum lengths (never values), so a repeated call
     costs its allocations and a launch of host work."""
+    scores, argmax, _norms = forward_keeping_norms(Q, D, q_mask, d_mask, normalize, need_argmax, rg, cfg)
+    return scores, argmax
+
+
+def forward_keeping_norms(
+    Q: Tensor,
+    D: Tensor,
+    q_mask: Tensor | None,
+    d_mask: Tensor | None,
+    normalize: bool,
+    need_argmax: bool,
+    rg: Ragged | None = None,
+    cfg: ForwardConfig | None = None,
+) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor] | None]:
+    """:func:`forward`, plus the inverse norms ``(inv_q, inv_d)`` (fp32, the tokens' shapes without ``dim``) where
+    the forward computed them in a pre-pass (``normalize=True``, see ``PRENORM_*``), else None: a training step
+    hands them on to :func:`backward`."""
     key = None
     if cfg is None:
         key = (
             Q.device, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype,
             None if q_mask is None else q_mask.stride(), None if d_mask is None else d_mask.stride(),
             normalize, need_argmax, torch.get_float32_matmul_precision(), _ragged_key(rg), PRENORM_MIN_ROW_BLOCKS,
+            PRENORM_UNSHARED,
         )  # fmt: skip
         plan = _plans.get(key)
         if plan is not None:
@@ -224,7 +248,7 @@ def forward(
     if Nq == 0 or K == 0 or Lq == 0 or Ld == 0:
         scores = torch.zeros((Nq, K), dtype=torch.float32, device=Q.device)
         argmax = torch.full((Nq, K, Lq), -1, dtype=torch.int32, device=Q.device) if need_argmax else None
-        return scores, argmax
+        return scores, argmax, None
     if key is not None and (Q.stride(-1) != 1 or D.stride(-1) != 1):
         key = None  # the plan would describe the contiguous copies made below, not these tensors
     Q, D = _last_dim_contiguous(Q), _last_dim_contiguous(D)
@@ -247,7 +271,7 @@ def forward(
         # documents persistence still wins (64x64 Ld128 0.025 against 0.032 ms, 256x256 Ld300 0.54 against 0.62).
         gain = ONE_DOC_GAIN if cfg.persist == 1 else 1.0
         docs_per_prog = _docs_per_program(n_qblocks * n_rsplit, K, slots, triton_cdiv(Ld, cfg.BLOCK_N), gain)
-    norms_given = normalize and n_rsplit >= PRENORM_MIN_ROW_BLOCKS
+    norms_given = normalize and (n_rsplit >= PRENORM_MIN_ROW_BLOCKS or (bool(PRENORM_UNSHARED) and not shared))
     inv_q_strides = _q_strides(torch.empty(Q.shape[:-1] + (1,), device="meta")) if norms_given else (0, 0)
     inv_d_strides = _d_strides(torch.empty(D.shape[:-1] + (1,), device="meta"), shared) if norms_given else (0, 0, 0)
     plan = _ForwardPlan(
@@ -282,7 +306,7 @@ def forward(
 def _run_forward(
     plan: _ForwardPlan, Q: Tensor, D: Tensor, q_mask: Tensor | None, d_mask: Tensor | None, sg: _Segs | None,
     need_argmax: bool,
-) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor] | None]:  # fmt: skip
     device = Q.device
     scores = torch.empty((plan.Nq, plan.K), dtype=torch.float32, device=device)
     # No argmax tensor at all when none is asked for (the registered op substitutes an empty one).
@@ -293,12 +317,12 @@ def _run_forward(
     dm = Q if d_mask is None else d_mask.view(torch.uint8)
     segs = (Q, Q, Q, Q) if sg is None else (sg.qseg, sg.dseg, sg.pq, sg.pd)
     arg = scores if argmax is None else argmax
-    inv = normalize_kernels.inverse_norms(Q, D) if plan.norms_given else (Q, D)  # (else unused pointers)
-    tensors = (Q, D, qm, dm, *segs, out, arg, *inv)
+    norms = normalize_kernels.inverse_norms(Q, D) if plan.norms_given else None
+    tensors = (Q, D, qm, dm, *segs, out, arg, *(norms or (Q, D)))  # (Q, D: unused pointers)
     _fwd(plan.grid, tensors, plan.ints, plan.constexprs, plan.num_warps, plan.num_stages, plan.launches, plan.maxnreg)
     if n_rsplit > 1:
         torch.sum(out, dim=0, out=scores)
-    return scores, argmax
+    return scores, argmax, norms
 
 
 def csr(ids: Tensor, n: int) -> tuple[Tensor, Tensor]:
@@ -454,8 +478,10 @@ def backward(
     normalize: bool,
     deterministic: bool,
     rg: Ragged | None = None,
+    norms: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(dQ like Q, dD like D)`` from the saved argmax; ``deterministic`` forbids atomics (bitwise reproducible).
+    ``norms``: the inverse norms the forward computed (:func:`forward_keeping_norms`), else computed here.
 
     Calls reuse a plan keyed by shapes, strides, dtypes and flags (never values), like the forward."""
     Nq, Lq, Bd, K, Ld, dim = dims(Q, D, rg)
@@ -479,7 +505,7 @@ def backward(
     if plan.grad_contiguous:
         grad = grad.contiguous()
     if normalize:
-        inv_q, inv_d = normalize_kernels.inverse_norms(Q, D)
+        inv_q, inv_d = normalize_kernels.inverse_norms(Q, D) if norms is None else norms
     else:
         inv_q = inv_d = grad  # unused pointers
     segs = (sg.qseg, sg.dseg, sg.pq, sg.pd)
