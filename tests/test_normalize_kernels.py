@@ -147,16 +147,18 @@ def test_backward_programs_project_the_rows_they_hold(case, fused_q, fused_d, mo
     "layout, Lq, normalize, given",
     [
         ("cross", 200, True, True),  # split into row blocks: each would sum the same tiles
-        ("cross", 32, True, False),  # packed queries: the tiles' sums of squares
+        ("cross", 32, True, False),  # one block of packed queries reads each tile once: the tiles' sums of squares
+        ("cross, 40 queries", 32, True, True),  # several blocks would each sum the same tiles
         ("cross", 200, False, False),
         ("candidates", 32, True, True),  # documents read by one program: the pre-pass
         ("pair list", 32, True, True),
     ],
 )
 def test_forward_reads_inverse_norms_from_a_pre_pass(layout, Lq, normalize, given, monkeypatch):
-    """Split queries and documents that one program reads (candidates, pairs, pair lists) take their tokens'
-    inverse norms from one pre-pass launch, and a training step hands them on to the backward (no second pre-pass);
-    packed queries against shared documents sum each tile's squares as they go (see launch.PRENORM_*)."""
+    """Where several programs read each document tile (split queries, several blocks of packed queries) and where
+    documents are scored by one query (candidates, pairs, pair lists), the forward takes the tokens' inverse norms
+    from one pre-pass launch, and a training step hands them on to the backward (no second pre-pass); one block of
+    queries against shared documents sums each tile's squares as it goes (see launch.PRENORM_*)."""
     from maxsim import ops
     from maxsim.kernels import launch, launcher
     from maxsim.layout import Ragged
@@ -168,7 +170,7 @@ def test_forward_reads_inverse_norms_from_a_pre_pass(layout, Lq, normalize, give
 
     monkeypatch.setattr(launcher.Launcher, "__call__", record)
     monkeypatch.setattr(launch, "INTERPRETER", False)
-    Q, D, rg = torch.randn(2, Lq, 64), torch.randn(1, 3, 40, 64), None
+    Q, D, rg = torch.randn(40 if "40" in layout else 2, Lq, 64), torch.randn(1, 3, 40, 64), None
     if layout == "candidates":
         D = torch.randn(2, 3, 40, 64)
     if layout == "pair list":
@@ -183,6 +185,7 @@ def test_forward_reads_inverse_norms_from_a_pre_pass(layout, Lq, normalize, give
     assert names.count("inverse_norms_kernel") == int(given)
     fwd = [c for name, c in launches if name == "maxsim_fwd_kernel"]
     assert len(fwd) == 1 and fwd[0]["NORMS_GIVEN"] == given and fwd[0]["NORMALIZE"] == normalize
+    assert fwd[0]["EARLY_NORMS"] == given  # (a training forward: the early load of the norms)
     launches.clear()
     ops.backward_impl(torch.ones(s.shape), Q, D, arg, normalize, False, "triton", rg, norms)
     launch._plans.clear()

@@ -16,9 +16,11 @@ import argparse
 import statistics
 
 import torch
-from probe_common import kernel_table  # tools/ is on sys.path when this runs as a script
+from ab_steps import _scorers  # tools/ is on sys.path when this runs as a script
+from probe_common import kernel_table
 from triton.testing import do_bench
 
+import maxsim
 from maxsim.bench.peers import MaxsimImpl
 from maxsim.bench.runner import make_call
 from maxsim.bench.workloads import RAGGED_LAYOUTS, make_inputs, seed_of, select
@@ -65,12 +67,13 @@ def main() -> None:
     ap.add_argument("--variant", action="append", required=True, help="label:NAME=VALUE,...")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--normalize", action="store_true", help="maxsim called with normalize=True")
     args = ap.parse_args()
     variants = dict(parse_variant(v) for v in args.variant)
     names = {n for s in variants.values() for n in s}
     defaults = {n: getattr(*_owner(n)) for n in names}
     dev, dt = torch.device("cuda"), torch.bfloat16
-    impl = MaxsimImpl()
+    impl = MaxsimImpl(*_scorers(maxsim, True)) if args.normalize else MaxsimImpl()
     for w in select(mode=args.mode, only=args.patterns or None):
         inp = make_inputs(w, dev, dt, seed_of(w))
         if w.layout in RAGGED_LAYOUTS:

@@ -61,7 +61,7 @@ def _scan_tile(
     qt, q_rows, row_ok, d_base, dm_doc, inv_doc, n0, d_len, dim, sd_l, sdm_l, sid_l, m2, a2, any_valid,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, HAS_DMASK: tl.constexpr,
     NORMALIZE: tl.constexpr, NORMS_GIVEN: tl.constexpr, SAVE_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, EARLY_NORMS: tl.constexpr,
 ):  # fmt: skip
     """One document tile ``[n0, n0 + BLOCK_N)`` folded into the running max ``m2`` (and argmax ``a2``) of shape
     ``[rows, BLOCK_N]``; ``any_valid [BLOCK_N]`` remembers whether a column slot ever held a valid token."""
@@ -74,6 +74,8 @@ def _scan_tile(
     SUMSQ: tl.constexpr = NORMALIZE and not NORMS_GIVEN
     if SUMSQ:
         sumsq = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if NORMALIZE and NORMS_GIVEN and EARLY_NORMS:  # (BLOCK_N floats, loaded before the MMA: it hides their latency)
+        inv_cols = tl.load(inv_doc + cols * sid_l, mask=col_ok, other=0.0)
     for kc in tl.static_range(NUM_K):
         if NUM_K > 1:
             qt = _load_q_chunk(q_rows, row_ok, kc, dim, BLOCK_K, UPCAST)
@@ -89,10 +91,11 @@ def _scan_tile(
             dt = dt.to(tl.float32)
         s = tl.dot(qt, tl.trans(dt), s, input_precision=DOT_PRECISION)
     if NORMALIZE:
-        if NORMS_GIVEN:  # (a load of BLOCK_N floats; the sum of squares of the tile cost a layout round trip)
-            s = s * tl.load(inv_doc + cols * sid_l, mask=col_ok, other=0.0)[None, :]
-        else:
-            s = s * (1.0 / tl.maximum(tl.sqrt(sumsq), NORM_EPS))[None, :]
+        if SUMSQ:  # (the sum of squares of a tile costs a layout round trip)
+            inv_cols = 1.0 / tl.maximum(tl.sqrt(sumsq), NORM_EPS)
+        elif not EARLY_NORMS:
+            inv_cols = tl.load(inv_doc + cols * sid_l, mask=col_ok, other=0.0)
+        s = s * inv_cols[None, :]
     # The running max costs ALU instructions per element that the MMA does not hide; a full tile of a document
     # without a mask has nothing to mask, so only a document's last tile (or a masked document) pays the select.
     if HAS_DMASK:
@@ -164,6 +167,7 @@ def maxsim_fwd_kernel(
     Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr,
     HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr, NORMALIZE: tl.constexpr, SAVE_ARGMAX: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PERSIST: tl.constexpr, NORMS_GIVEN: tl.constexpr,
+    EARLY_NORMS: tl.constexpr,
 ):  # fmt: skip
     """Scores ``OUT [n_rsplit, Nq, K]`` and argmax ``ARG [Nq, K, Lq]``; a pair list runs as ``Nq = 1``, ``K`` =
     number of pairs, query and document of pair ``k`` read from ``PQ[k]``, ``PD[k]``.
@@ -224,6 +228,7 @@ def maxsim_fwd_kernel(
                 qt, q_rows, row_ok, D + b * sd_b + k * sd_k, DM + b * sdm_b + k * sdm_k, INV_D + b * sid_b + k * sid_k,
                 n0, Ld, dim, sd_l, sdm_l, sid_l, m2, a2, any_valid,
                 BLOCK_N, BLOCK_K, NUM_K, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX, DOT_PRECISION, UPCAST,
+                EARLY_NORMS,
             )  # fmt: skip
             if n0 + BLOCK_N >= Ld:  # the document's last tile: its scores, then a fresh running max
                 row_val, a, _live = _finish_rows(
@@ -270,7 +275,7 @@ def maxsim_fwd_kernel(
                 m2, a2, any_valid = _scan_tile(
                     qt, q_rows, row_ok, d_base, dm_doc, inv_doc, n0, d_len, dim, sd_l, sdm_l, sid_l, m2, a2,
                     any_valid, BLOCK_N, BLOCK_K, NUM_K, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX,
-                    DOT_PRECISION, UPCAST,
+                    DOT_PRECISION, UPCAST, EARLY_NORMS,
                 )  # fmt: skip
             row_val, a, _live = _finish_rows(
                 m2, a2, tl.cdiv(d_len, BLOCK_N) * BLOCK_N, any_valid, qt, q_rows, iq_base + t * siq_l, row_ok, dim,

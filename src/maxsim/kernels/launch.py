@@ -44,18 +44,23 @@ FUSED_SCATTER = 1
 # atomics (see _backward_plan).
 DQ_UNROLL = 4
 FUSED_DQ_UNROLL = 1
-# normalize=True: a query split into row blocks (one program each) has every document tile read by each of its
-# blocks, and each would sum the tile's squares again: those forwards read the tokens' inverse norms from a pre-pass
-# (one launch over Q and D). H100, in-process against the tile sums: ColPali 1x500 Lq1024 Ld1024 inference 608 ->
-# 356 us, training 32x32 Lq1024 Ld1024 1356 -> 1271 us. Elsewhere the tile sums stay: with the pre-pass for every
-# shape, packed queries lost (corpus scan 16.2 -> 27.6 ms, training 256x256 Ld300 1.33 -> 1.62 ms) and so did small
-# steps (one launch more), while some memory-bound rows gained (candidates 32x100 0.81x, varlen 0.67x).
+# normalize=True: where a document tile is read by several programs (a query split into row blocks, or queries
+# packed BQ to a program against shared documents, more than one block of them), each would sum the tile's squares
+# again: those forwards read the tokens' inverse norms from a pre-pass (one launch over Q and D), loaded before the
+# tile's MMA so that its latency hides theirs. H100, in-process against the tile sums: ColPali 1x500 Lq1024 Ld1024
+# inference 608 -> 356 us, training 32x32 Lq1024 Ld1024 1356 -> 1271 us (then 1260 -> 1136 us with the early
+# load); corpus scan 32x65536 16.3 -> 13.7 ms, cross 128x128 inference 171 -> 142 us, varlen 64x256 157 -> 109 us,
+# training 256x256 Ld300 1.33 -> 1.23 ms (with a load after the MMA the packed loops lost instead: corpus scan
+# 16.2 -> 27.6 ms). One block of queries reads each tile once: there the pre-pass is a second read of D (1x1000
+# Ld300 inference 75 -> 89 us, 7x1000 dim 96 102 -> 116 us), and the tile sums stay. (A boolean of the query count:
+# at most one more compiled variant, as PERSIST.)
 PRENORM_MIN_ROW_BLOCKS = 2
+PRENORM_MIN_QUERY_BLOCKS = 2
 # Documents scored by one query each (candidates, pairs, pair lists) take the pre-pass too: one read of the tokens
 # for the norms costs less GPU time than the forward's tile sums there, and a training step hands the norms on to
 # the backward, which needs them anyway (same launches). H100, GPU time per call, in-process against the tile sums:
 # candidates 32x50 Lq32 Ld180 inference 81 -> 54 us, candidates 32x7 dim 48 12 -> 8 us, training pairs 512 156 ->
-# 125 us, candidates 256x16 Ld300 step 1.18 -> 0.90 ms. (Packed queries keep the tile sums, see above.)
+# 125 us, candidates 256x16 Ld300 step 1.18 -> 0.90 ms.
 PRENORM_UNSHARED = 1
 # How much faster one-document programs run than a persistent plan of one program per multiprocessor counts them
 # (two stay resident; see forward). Fitted to the H100 measurements there: any value in (1.13, 1.8) orders them.
@@ -239,7 +244,7 @@ def forward_keeping_norms(
             Q.device, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype,
             None if q_mask is None else q_mask.stride(), None if d_mask is None else d_mask.stride(),
             normalize, need_argmax, torch.get_float32_matmul_precision(), _ragged_key(rg), PRENORM_MIN_ROW_BLOCKS,
-            PRENORM_UNSHARED,
+            PRENORM_MIN_QUERY_BLOCKS, PRENORM_UNSHARED,
         )  # fmt: skip
         plan = _plans.get(key)
         if plan is not None:
@@ -271,7 +276,10 @@ def forward_keeping_norms(
         # documents persistence still wins (64x64 Ld128 0.025 against 0.032 ms, 256x256 Ld300 0.54 against 0.62).
         gain = ONE_DOC_GAIN if cfg.persist == 1 else 1.0
         docs_per_prog = _docs_per_program(n_qblocks * n_rsplit, K, slots, triton_cdiv(Ld, cfg.BLOCK_N), gain)
-    norms_given = normalize and (n_rsplit >= PRENORM_MIN_ROW_BLOCKS or (bool(PRENORM_UNSHARED) and not shared))
+    norms_given = normalize and (
+        n_rsplit >= PRENORM_MIN_ROW_BLOCKS
+        or (n_qblocks >= PRENORM_MIN_QUERY_BLOCKS if shared else bool(PRENORM_UNSHARED))
+    )
     inv_q_strides = _q_strides(torch.empty(Q.shape[:-1] + (1,), device="meta")) if norms_given else (0, 0)
     inv_d_strides = _d_strides(torch.empty(D.shape[:-1] + (1,), device="meta"), shared) if norms_given else (0, 0, 0)
     plan = _ForwardPlan(
@@ -290,6 +298,8 @@ def forward_keeping_norms(
             HAS_QMASK=q_mask is not None, HAS_DMASK=d_mask is not None, NORMALIZE=normalize,
             SAVE_ARGMAX=need_argmax, DOT_PRECISION=_dot_precision(Q.dtype), UPCAST=_upcast(Q.dtype),
             PERSIST=docs_per_prog > 1, NORMS_GIVEN=norms_given,
+            # (a split query's scores-only loop ran 5 % slower with the early load: ColPali 357 -> 376 us)
+            EARLY_NORMS=norms_given and (need_argmax or n_rsplit == 1),
         ),
         cfg.num_warps,
         cfg.num_stages,
