@@ -11,16 +11,19 @@ from helpers import (
     assert_matches_reference,
     assert_same_nan,
     assert_scores_close,
+    call_lib,
     check_parity,
     int_grid,
     keep_under_interpreter,
     lib_forward_backward,
     make_inputs,
     randn,
+    ref_forward_backward,
     score_magnitude,
     seed_of,
     shapes_of,
     similarities,
+    triton_usable,
     upstream_grad,
 )
 
@@ -269,6 +272,43 @@ def test_backward_modes_agree_and_deterministic_is_bitwise(layout, dtype, backen
             launch._bplans.clear()
             torch.testing.assert_close(dQ_a, dQ_d, rtol=tol, atol=tol * float(dQ_d.abs().max()))
             torch.testing.assert_close(dD_a, dD_d, rtol=tol, atol=tol * float(dD_d.abs().max()))
+
+
+@pytest.mark.parametrize("dtype", DT2)
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalize"])
+def test_sorted_gather_backward_of_large_cross_products(normalize, dtype, device, monkeypatch):
+    """The deterministic backward of large dense cross products gets dD by grouping the links by the chosen document
+    token and summing each token's links (kernels/dd_gather.py): the same bits on every run, close to the float64
+    reference, and a NaN upstream gradient only on the tokens its pair chose (as the reference; the owner spreads
+    it). The PyTorch path on a GPU, and the dQ gather, keep a NaN off masked query tokens too."""
+    if not triton_usable(device):
+        pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
+    keep_under_interpreter(normalize != (dtype == torch.float32), "triton", device)
+    from maxsim.kernels import launch
+
+    monkeypatch.setattr(launch, "SHARED_OWNER_MAX_WORK", 0)
+    monkeypatch.setattr(launch, "SORTED_DD_MIN_LINKS", 0)
+    inp = make_inputs("cross", 5, 4, 9, 7, 32, dtype=dtype, device=device, masks="holes", seed=seed_of("sorted"))
+    grad = upstream_grad(call_lib(inp).shape, seed=6, device=device)
+    grad[1, 2] = float("nan")
+    _, rQ, rD = ref_forward_backward(inp, grad, normalize=normalize)
+    with maxsim.backend("torch"):  # ("fast": on a GPU the deterministic one-hot product spreads a NaN, as the owner)
+        _, tQ, tD, _ = lib_forward_backward(inp, normalize=normalize, backward="fast", grad=grad)
+    runs = []
+    with maxsim.backend("triton"):
+        for _ in range(2):
+            launch._bplans.clear()
+            runs.append(lib_forward_backward(inp, normalize=normalize, backward="deterministic", grad=grad))
+            assert next(iter(launch._bplans.values())).dd_sorted is not None
+    launch._bplans.clear()
+    (_, dQ, dD, _), (_, _dQ2, dD2, _) = runs
+    assert_same_nan(dD, dD2, "dD")
+    assert torch.equal(dD.nan_to_num(), dD2.nan_to_num()), "the sorted gather is not the same on every run"
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for name, x, ref in (("dQ", dQ, rQ), ("dD", dD, rD), ("torch dQ", tQ, rQ), ("torch dD", tD, rD)):
+        assert_same_nan(x, ref, name)
+        x, ref = x.double().nan_to_num(), ref.nan_to_num()
+        torch.testing.assert_close(x, ref, rtol=tol, atol=tol * float(ref.abs().max()), msg=name)
 
 
 # ----------------------------------------------------------------------------------------------------

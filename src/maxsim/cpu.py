@@ -156,7 +156,8 @@ def backward(
     if normalize:
         (Qa, norm_q), (Da, norm_d) = _normalized(Qa), _normalized(Da)
     chosen = argmax >= 0  # [Nq, K, Lq]
-    weight = grad.to(acc)[:, :, None] * chosen  # [Nq, K, Lq]
+    # (a select, not a product: a token that chose nothing gets no NaN of its pair's gradient)
+    weight = torch.where(chosen, grad.to(acc)[:, :, None], 0.0)  # [Nq, K, Lq]
     idx = argmax.clamp_min(0).long()
     per_query = K * Lq * (2 * dim + (Ld if deterministic else 0)) * (torch.finfo(acc).bits // 8)
     nq = max(1, min(Nq, BLOCK_BYTES // per_query))

@@ -76,6 +76,7 @@ def _dq_add(
     w = tl.where(live, tl.load(G + p * sg), 0.0) + tl.zeros([BT], dtype=tl.float32)  # (p is a real pair)
     if NORMALIZE:
         w = w * tl.load(INV_D + d_tok0 + a, mask=hit, other=0.0)
+    w = tl.where(hit, w, 0.0)  # (a token that chose nothing gets no NaN of g: 0 · NaN is NaN)
     rows = tl.load(d_base + a[:, None] * sd_l + kd[None, :], mask=hit[:, None] & kd_ok[None, :], other=0.0)
     return acc + rows.to(tl.float32) * w[:, None]
 

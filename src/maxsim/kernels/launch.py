@@ -14,6 +14,7 @@ from torch import Tensor
 
 from ..layout import Ragged, dims
 from . import csr as csr_kernel
+from . import dd_gather
 from . import normalize as normalize_kernels
 from .backward import maxsim_bwd_kernel, maxsim_bwd_scatter_kernel
 from .configs import BackwardConfig, ForwardConfig, backward_config, forward_config
@@ -24,6 +25,8 @@ _fwd = Launcher(maxsim_fwd_kernel)
 _bwd = Launcher(maxsim_bwd_kernel)
 _bwd_scatter = Launcher(maxsim_bwd_scatter_kernel)
 _csr = Launcher(csr_kernel.csr_count_kernel)
+_link_keys = Launcher(dd_gather.link_keys_kernel)
+_dd_gather = Launcher(dd_gather.dd_gather_kernel)
 
 DENSE, OFFSETS, LENGTHS = 0, 1, 2  # segment kinds, as in kernels/segments.py
 # A pair list's backward scans the pair ids in each program (no index built) while programs x pairs stays under
@@ -35,6 +38,15 @@ PAIR_SCAN_MAX_WORK = 1 << 24
 # (backward="fast"). H100, GPU time of the backward, owned vs atomics: 32x32 Lq32 Ld80 (2^29) 19 vs 23 us, 64x64
 # Lq32 Ld128 (2^31) 59 vs 53 us, 64x64 Lq23 Ld333 dim 96 (1.5 * 2^32) 114 vs 45 us, 256x256 Ld300 1.3 vs 0.53 ms.
 SHARED_OWNER_MAX_WORK = 1 << 31
+# backward="deterministic" of a dense cross product of at least this many links (query tokens x documents) beyond
+# the owner's size: dD by grouping the links by the document token they chose (a stable sort) and summing each
+# token's links in one program (dd_gather.py) instead of the owner, whose programs each walk every query. H100,
+# deterministic backward GPU time, owner -> sorted gather (one warp, 16 links a step; 4 warps were 1.3-1.4x slower):
+# 32x32 Lq1024 Ld1024 (1M links) 1509 -> 331 us, 256x256 Lq32 Ld300 (2M) 1584 -> 678 us; below the bound the owner
+# keeps the steps (64x64 Lq32 Ld1024, 131k links: backward 287 -> 231 us but the step 500 -> 651 us with the sort's
+# launches; 64x64 Lq23 Ld333 dim 96: 122 -> 168 us).
+SORTED_DD_MIN_LINKS = 1 << 19
+SORTED_DD_WARPS = 1
 # The fast cross product's dD atomics run as programs of the backward's main launch, beside the dQ gather (one
 # launch fewer; the gather's loads and the atomics' traffic overlap), instead of a launch of their own after it.
 # H100, backward GPU time (gather + atomics): 256x256 Ld300 484 -> 424 us, 32x32 Lq1024 Ld1024 220 -> 204 us,
@@ -351,6 +363,17 @@ def csr(ids: Tensor, n: int) -> tuple[Tensor, Tensor]:
     return torch.searchsorted(ids_sorted, bounds), order
 
 
+def _sorted_dd(
+    spec: tuple, grad: Tensor, Q: Tensor, D: Tensor, inv_q: Tensor, argmax: Tensor, gd: Tensor
+) -> None:  # fmt: skip
+    """dD into ``gd`` by the sorted gather of :mod:`.dd_gather` (``spec``: the plan's ``dd_sorted``)."""
+    n_links, K, Lq, Ld, ints, constexprs, num_warps = spec
+    keys = torch.empty(n_links, dtype=torch.int32, device=argmax.device)
+    _link_keys(dd_gather.keys_grid(n_links), (argmax, keys), (n_links, K, Lq, Ld), dict(BL=dd_gather.BL), 4)
+    offsets, order = csr(keys, K * Ld)
+    _dd_gather(K * Ld, (grad, Q, inv_q, D, order, offsets, gd), ints, constexprs, num_warps)
+
+
 class _BackwardPlan(NamedTuple):
     """Everything a backward needs that depends only on shapes, strides, dtypes and flags: which kernels run, their
     grids, integer arguments and constexprs (the tensors are filled in per call)."""
@@ -368,8 +391,9 @@ class _BackwardPlan(NamedTuple):
     dq_sc: tuple | None  # the scatter launches (dQ of a long pair list, dD of a large fast cross product)
     dd_sc: tuple | None  # (None with the owner, or with the atomics in the main launch: FUSED_SCATTER)
     direct_d: bool  # dD comes out in D's dtype without a cast
+    dd_sorted: tuple | None  # (n_links, K, Lq, Ld, ints, constexprs, warps) of the sorted gather (dd_gather.py)
     project_q: bool  # normalize: the gather chains dQ through Q's normalization (else a launch after)
-    project_d: bool  # normalize: the owner chains dD through D's normalization (else a launch after)
+    project_d: bool  # normalize: the owner or the sorted gather chains dD through D's normalization (else a launch)
     num_warps: int
     launches: dict  # the launcher's plan cache of the main launch (see Launcher)
 
@@ -427,7 +451,11 @@ def _backward_plan(
     # dD: documents scored by one query each (candidates) and pair lists take the owner programs, which are then also
     # the fastest (no zeroed fp32 buffer, no atomics, no cast); so does the cross product up to a size (beyond it,
     # atomics unless asked to be deterministic).
-    dd_owned = deterministic or not shared or _shared_owned(Nq, Lq, K, Ld, dim, cfg)
+    owned_small = shared and _shared_owned(Nq, Lq, K, Ld, dim, cfg)
+    n_links = Nq * K * Lq
+    dense = sg.q_kind == DENSE and sg.d_kind == DENSE
+    sorted_dd = deterministic and shared and dense and not owned_small and n_links >= SORTED_DD_MIN_LINKS
+    dd_owned = not sorted_dd and (deterministic or not shared or owned_small)
     n_jb = triton_cdiv(Ld, cfg.BN)
     n_kb = triton_cdiv(dim, cfg.BLOCK_K)
     n_owned = n_docs if sg.d_kind == OFFSETS else Bd * K
@@ -441,14 +469,19 @@ def _backward_plan(
     # in the input's dtype: no fp32 buffer, no pass afterwards); the rest is projected by one launch after.
     project_q = normalize and n_dq > 0
     project_d = normalize and n_dd > 0 and n_kb == 1
-    direct_d = (not normalize and (dd_owned or D.dtype == torch.float32)) or project_d
-    fused_sc = not dd_owned and bool(FUSED_SCATTER)
+    direct_d = (not normalize and (dd_owned or D.dtype == torch.float32)) or project_d or sorted_dd
+    fused_sc = not dd_owned and not sorted_dd and bool(FUSED_SCATTER)
     n_dsc = n_pairs * n_tb if fused_sc else 0
     dd_sc = (
         None
-        if dd_owned or fused_sc
+        if dd_owned or fused_sc or sorted_dd
         else scatter(False, _q_strides(Q), _d_strides(torch.empty(D.shape, device="meta"), shared))
     )
+    dd_sorted = None
+    if sorted_dd:
+        ints_sorted = (K, Lq, Ld, dim, *_q_strides(Q), *_d_strides(D, shared)[1:], *d_fresh[1:], grad_stride)
+        constexprs_sorted = dict(CHUNK=dd_gather.CHUNK, DIM_P=cfg.DIM_P, NORMALIZE=normalize)
+        dd_sorted = (n_links, K, Lq, Ld, ints_sorted, constexprs_sorted, SORTED_DD_WARPS)
     ints = (
         n_queries, Nq, K, n_docs if sg.pairs else K, n_pairs, Lq, Ld, dim, *seg_args,
         *_q_strides(Q), *_d_strides(D, shared), *q_fresh, *d_fresh, *seg_strides, n_tb, n_jb, n_kb,
@@ -476,7 +509,7 @@ def _backward_plan(
         grad_contiguous, dq_scatter, torch.float32 if dq_scatter else Q.dtype,
         sg.pairs and not scan_q and not dq_scatter, n_queries,
         dd_owned, D.dtype if direct_d else torch.float32, sg.pairs and dd_owned and not scan_d, n_docs,
-        main, dq_sc, dd_sc, direct_d, project_q, project_d, cfg.num_warps, {},
+        main, dq_sc, dd_sc, direct_d, dd_sorted, project_q, project_d or (normalize and sorted_dd), cfg.num_warps, {},
     )  # fmt: skip
 
 
@@ -504,7 +537,7 @@ def backward(
     key = (
         Q.device, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype, grad.shape, grad.stride(),
         normalize, deterministic, torch.get_float32_matmul_precision(), _ragged_key(rg), PAIR_SCAN_MAX_WORK,
-        SHARED_OWNER_MAX_WORK, FUSED_SCATTER,
+        SHARED_OWNER_MAX_WORK, FUSED_SCATTER, SORTED_DD_MIN_LINKS, SORTED_DD_WARPS, dd_gather.CHUNK,
     )  # fmt: skip
     plan = _bplans.get(key)
     if plan is None:
@@ -526,7 +559,7 @@ def backward(
         _bwd_scatter(grid, (grad, argmax, dQ, D, inv_d, *segs), ints, constexprs, nw)
     else:
         dQ = torch.empty(Q.shape, dtype=plan.dq_dtype, device=Q.device)
-    if plan.dd_owned:
+    if plan.dd_owned or plan.dd_sorted:
         gd = torch.empty(D.shape, dtype=plan.dd_dtype, device=D.device)
     else:  # the atomics' fp32 buffer, zeroed before the launch that adds into it (main, or its own after it)
         gd = torch.zeros(D.shape, dtype=torch.float32, device=D.device) if plan.dd_sc is None else None
@@ -537,6 +570,8 @@ def backward(
         tensors = (grad, argmax, Q, D, inv_q, inv_d, dQ, grad if gd is None else gd, *segs, q_off, q_order, d_off,
                    d_order)  # fmt: skip
         _bwd(grid, tensors, ints, constexprs, nw, 3, plan.launches)
+    if plan.dd_sorted:
+        _sorted_dd(plan.dd_sorted, grad, Q, D, inv_q, argmax, gd)
     if gd is None:
         # (after the gather, whose argmax reads are still in L2 for the scatter: H100, 256x256 Ld300 training step
         # 1.079 ms with the scatter first, 1.060 ms after, in-process A/B against 50d67b8 at 1.041 / 1.061 ms)
