@@ -7,7 +7,7 @@ host↔device syncs and CUDA-graph capturable.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -218,22 +218,9 @@ _plans: dict[tuple, _ForwardPlan] = {}
 _MAX_PLANS = 4096
 
 
-def forward(
-    Q: Tensor,
-    D: Tensor,
-    q_mask: Tensor | None,
-    d_mask: Tensor | None,
-    normalize: bool,
-    need_argmax: bool,
-    rg: Ragged | None = None,
-    cfg: ForwardConfig | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """Scores ``[Nq, K]`` fp32 and argmax ``[Nq, K, Lq]`` int32 (None unless ``need_argmax``).
-
-    A pair list gives ``[1, P]`` and ``[1, P, Lq]``. ``cfg`` overrides the launch table (offline tuning only).
-    Calls reuse a plan keyed by shapes, strides, flags and maximum lengths (never values), so a repeated call
-    costs its allocations and a launch of host work."""
-    scores, argmax, _norms = forward_keeping_norms(Q, D, q_mask, d_mask, normalize, need_argmax, rg, cfg)
+def forward(*args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+    """Scores and argmax: :func:`forward_keeping_norms` (same arguments) without the inverse norms."""
+    scores, argmax, _norms = forward_keeping_norms(*args, **kwargs)
     return scores, argmax
 
 
@@ -247,9 +234,13 @@ def forward_keeping_norms(
     rg: Ragged | None = None,
     cfg: ForwardConfig | None = None,
 ) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor] | None]:
-    """:func:`forward`, plus the inverse norms ``(inv_q, inv_d)`` (fp32, the tokens' shapes without ``dim``) where
-    the forward computed them in a pre-pass (``normalize=True``, see ``PRENORM_*``), else None: a training step
-    hands them on to :func:`backward`."""
+    """Scores ``[Nq, K]`` fp32, argmax ``[Nq, K, Lq]`` int32 (None unless ``need_argmax``) and the inverse norms
+    ``(inv_q, inv_d)`` (fp32, the tokens' shapes without ``dim``) where the forward computed them in a pre-pass
+    (``normalize=True``, see ``PRENORM_*``; else None), which a training step hands on to :func:`backward`.
+
+    A pair list gives ``[1, P]`` and ``[1, P, Lq]``. ``cfg`` overrides the launch table (offline tuning only).
+    Calls reuse a plan keyed by shapes, strides, flags and maximum lengths (never values), so a repeated call
+    costs its allocations and a launch of host work."""
     key = None
     if cfg is None:
         key = (
