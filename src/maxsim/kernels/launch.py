@@ -441,7 +441,7 @@ def _backward_plan(
 
     # dD: documents scored by one query each (candidates) and pair lists take the owner programs, which are then also
     # the fastest (no zeroed fp32 buffer, no atomics, no cast); so does the cross product up to a size (beyond it,
-    # atomics unless asked to be deterministic).
+    # atomics, or where asked to be deterministic the owner, and from SORTED_DD_MIN_LINKS on the sorted gather).
     owned_small = shared and _shared_owned(Nq, Lq, K, Ld, dim, cfg)
     n_links = Nq * K * Lq
     dense = sg.q_kind == DENSE and sg.d_kind == DENSE
