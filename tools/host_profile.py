@@ -65,7 +65,9 @@ def main() -> None:
             return orig(*a, **kw)
 
         maxsim_fwd_kernel.run = spy
-        launch._fwd._known.clear()  # so that the next launch goes through Triton's own path
+        # so that the next launch goes through Triton's own path (plans keep their own table of launches too)
+        launch._fwd._known.clear()
+        launch._plans.clear()
         launch.forward(Qc, Dc, None, None, False, False)
         maxsim_fwd_kernel.run = orig
         a, kw = captured["a"], dict(captured["kw"])
