@@ -86,19 +86,17 @@ def test_register_cap_reaches_triton_only_when_set(fake_gpu):
     assert k.log[1][3] == {"BLOCK": 32, "num_warps": 4, "num_stages": 2, "maxnreg": 128}
 
 
-def test_long_query_argmax_forward_caps_registers():
-    """The argmax forward of long queries runs capped (four programs resident); the scores-only one does not (it
-    loses with the cap), nor does any packed configuration."""
+def test_long_query_forwards_share_one_uncapped_configuration():
+    """Long queries run one 128-row block per program with 64-token tiles at dim <= 128, with or without the argmax,
+    uncapped (the argmax loop fits its registers since its loads lost their row predicate); nothing in the launch
+    table caps registers."""
     from maxsim.kernels.configs import forward_config
 
-    train, infer = forward_config(1024, 128, 32, True, True), forward_config(1024, 128, 1, True, False)
-    assert (train.maxnreg, train.BLOCK_N, train.num_stages) == (128, 32, 2)
-    assert infer.maxnreg == 0
-    assert forward_config(1024, 256, 32, True, True).maxnreg == 0  # dim 256: two dim chunks, not measured
-    assert forward_config(1024, 128, 32, True, True, fp32=True).maxnreg == 0  # IEEE fp32 products would spill
-    assert all(
-        forward_config(32, 128, n, s, a).maxnreg == 0 for n in (1, 256) for s in (True, False) for a in (True, False)
-    )
+    long = forward_config(1024, 128, 32, True)
+    assert (long.TQ, long.BQ, long.BLOCK_N, long.num_warps, long.num_stages, long.maxnreg) == (128, 1, 64, 4, 3, 0)
+    assert long.SPLIT_ROWS and forward_config(1024, 128, 1, True) == long
+    assert forward_config(1024, 256, 32, True).BLOCK_N == 32  # dim 256: two dim chunks
+    assert all(forward_config(lq, 128, n, s).maxnreg == 0 for lq in (32, 1024) for n in (1, 256) for s in (True, False))
 
 
 def test_plan_cache_launches_directly_and_follows_alignment(fake_gpu):

@@ -22,7 +22,7 @@ def _both(monkeypatch, Q, D, qm, dm, normalize, argmax):
     """(one document per program, persistent with a single multiprocessor's worth of programs), whatever the
     launch table would pick for the shape."""
     Nq, Lq, dim = Q.shape
-    cfg = forward_config(Lq, dim, Nq, D.shape[0] == 1, argmax)
+    cfg = forward_config(Lq, dim, Nq, D.shape[0] == 1)
     plain = launch.forward(Q, D, qm, dm, normalize, argmax, cfg=dataclasses.replace(cfg, persist=0))
     monkeypatch.setattr(launch, "_sm_count", lambda device: 1)
     persistent = launch.forward(Q, D, qm, dm, normalize, argmax, cfg=dataclasses.replace(cfg, persist=1))

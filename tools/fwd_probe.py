@@ -150,7 +150,7 @@ def config_table(only: str | None = None) -> dict:
             continue
         Q = torch.randn(Nq, Lq, dim, device="cuda", dtype=torch.bfloat16)
         D = torch.randn(1 if shared else Nq, K, Ld, dim, device="cuda", dtype=torch.bfloat16)
-        default = forward_config(Lq, dim, Nq, shared, arg)
+        default = forward_config(Lq, dim, Nq, shared)
         ref = launch.forward(Q, D, None, None, False, arg)
         variants = [default]
         if default.persist:

@@ -48,25 +48,18 @@ def _dim_split(dim: int) -> tuple[int, int]:
 
 
 @lru_cache(maxsize=256)
-def forward_config(
-    Lq: int, dim: int, Nq: int, shared_docs: bool, need_argmax: bool = False, fp32: bool = False
-) -> ForwardConfig:
-    """Pick the forward variant. ``shared_docs``: every query sees the same documents (cross product); ``fp32``:
-    fp32 inputs (no register cap: their IEEE products spill ~1 KB a thread under it, per ptxas)."""
+def forward_config(Lq: int, dim: int, Nq: int, shared_docs: bool) -> ForwardConfig:
+    """Pick the forward variant (the same with or without the argmax). ``shared_docs``: every query sees the same
+    documents (cross product)."""
     # Measured on an H200 (tools/tune.py, bf16, dim 128; runs 3-5 in docs/performance.md): packing 8 queries of 32
     # tokens (256 rows) against one document tile wins every compute-bound cross-product shape; single thin
     # queries are memory-bound and prefer 4 warps; long queries (Lq > 128) run one 128-row block per program.
     block_k, num_k = _dim_split(dim)
     if Lq > 128:
-        if need_argmax and num_k == 1 and not fp32:
-            # The running max and argmax of a 128x64 tile fill 255 registers (48 bytes spilled): two programs per
-            # multiprocessor, whose MMAs and row maxima hardly overlap (ncu: tensor pipe 44 % busy). 32-token tiles
-            # capped at 128 registers keep four resident (H100, fwd_probe, docs/performance.md v20:
-            # argmax forward of 32x32 Lq1024 Ld1024 0.679 -> 0.633 ms; the scores-only forward loses with the cap,
-            # 0.240 -> 0.279-0.298 ms on ColPali 1x500, so it keeps the uncapped 64-token tiles).
-            return ForwardConfig(128, 1, 32, block_k, num_k, 4, 2, True, maxnreg=128)
-        # (H100, fwd_probe: the argmax forward of 32x32 Lq1024 Ld1024 took 0.666 ms with 64-token tiles, 0.686
-        # with 32, uncapped; no spills either way)
+        # One 128-row block per program, 64-token tiles, uncapped: the argmax forward fits 244 registers without
+        # spills since its tile loads lost their row predicate and the row-block loop its nest (H100,
+        # docs/performance.md v32: training step of 32x32 Lq1024 Ld1024 830 -> 766 us against 32-token tiles capped
+        # at 128 registers, which v20 had preferred when the 64-token loop spilled).
         bn = 32 if num_k > 1 else 64
         return ForwardConfig(128, 1, bn, block_k, num_k, 4, 3, True)
     TQ = max(16, next_pow2(Lq))

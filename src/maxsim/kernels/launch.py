@@ -262,7 +262,7 @@ def forward_keeping_norms(
     Q, D = _last_dim_contiguous(Q), _last_dim_contiguous(D)
     sg = _segs(Q, D, rg)
     shared = Bd == 1 and not sg.pairs
-    cfg = cfg or forward_config(Lq, dim, Nq, shared, need_argmax, Q.dtype == torch.float32)
+    cfg = cfg or forward_config(Lq, dim, Nq, shared)
     sqm = (0, 0) if q_mask is None else q_mask.stride()
     sdm = (0, 0, 0) if d_mask is None else ((0 if shared else d_mask.stride(0)),) + d_mask.stride()[1:]
     n_qblocks = triton_cdiv(Nq, cfg.BQ)
@@ -303,6 +303,7 @@ def forward_keeping_norms(
             PERSIST=docs_per_prog > 1, NORMS_GIVEN=norms_given,
             # (a split query's scores-only loop ran 5 % slower with the early load: ColPali 357 -> 376 us)
             EARLY_NORMS=norms_given and (need_argmax or n_rsplit == 1),
+            ONE_ROW_BLOCK=rows_per_prog <= cfg.TQ,
         ),
         cfg.num_warps,
         cfg.num_stages,
