@@ -58,7 +58,7 @@ def forward_config(Lq: int, dim: int, Nq: int, shared_docs: bool) -> ForwardConf
     if Lq > 128:
         # One 128-row block per program, 64-token tiles, uncapped: the argmax forward fits 244 registers without
         # spills since its tile loads lost their row predicate and the row-block loop its nest (H100,
-        # docs/performance.md v32: training step of 32x32 Lq1024 Ld1024 830 -> 766 us against 32-token tiles capped
+        # docs/performance.md v34: training step of 32x32 Lq1024 Ld1024 830 -> 766 us against 32-token tiles capped
         # at 128 registers, which v20 had preferred when the 64-token loop spilled).
         bn = 32 if num_k > 1 else 64
         return ForwardConfig(128, 1, bn, block_k, num_k, 4, 3, True)
