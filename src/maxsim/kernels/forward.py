@@ -150,6 +150,21 @@ def _finish_rows(
 
 
 @triton.jit
+def _query_block(
+    t0, r, q_in, q_len, r_hi, q_out, QM, sqm_n, sqm_l, q_base, sq_l, dim,
+    TQ: tl.constexpr, BLOCK_K: tl.constexpr, HAS_QMASK: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """The packed rows ``t0 .. t0 + TQ`` of a program's queries: ``(token index t, row_ok, row pointers, first
+    dim chunk [rows, BLOCK_K])``."""
+    t = t0 + r % TQ
+    row_ok = q_in & (t < q_len) & (t < r_hi)
+    if HAS_QMASK:
+        row_ok = row_ok & (tl.load(QM + q_out * sqm_n + t * sqm_l, mask=row_ok, other=0) != 0)
+    q_rows = q_base + t * sq_l
+    return t, row_ok, q_rows, _load_q_chunk(q_rows, row_ok, 0, dim, BLOCK_K, UPCAST)
+
+
+@triton.jit
 def _row_block(
     t0, r, q_in, q_len, r_hi, q_out, QM, sqm_n, sqm_l, q_base, sq_l, iq_base, siq_l, d_base, dm_doc, inv_doc, d_len,
     dim, sd_l, sdm_l, sid_l, ARG, K, kk, Lq,
@@ -160,12 +175,9 @@ def _row_block(
     """Rows ``t0 .. t0 + TQ`` of the program's packed queries against one document: their argmax stored, their
     per-query score contributions ``[BQ]`` returned."""
     BLOCK_M: tl.constexpr = BQ * TQ
-    t = t0 + r % TQ
-    row_ok = q_in & (t < q_len) & (t < r_hi)
-    if HAS_QMASK:
-        row_ok = row_ok & (tl.load(QM + q_out * sqm_n + t * sqm_l, mask=row_ok, other=0) != 0)
-    q_rows = q_base + t * sq_l
-    qt = _load_q_chunk(q_rows, row_ok, 0, dim, BLOCK_K, UPCAST)
+    t, row_ok, q_rows, qt = _query_block(
+        t0, r, q_in, q_len, r_hi, q_out, QM, sqm_n, sqm_l, q_base, sq_l, dim, TQ, BLOCK_K, HAS_QMASK, UPCAST
+    )
     # Running max per (row, column slot) across tiles: one max (and one select for the argmax) per element
     # per tile; the cross-lane row reduction happens once per row block instead of once per tile.
     m2 = tl.full([BLOCK_M, BLOCK_N], float("-inf"), dtype=tl.float32)
@@ -256,12 +268,9 @@ def maxsim_fwd_kernel(
 
     if PERSIST:
         # Dense documents: every document has Ld tokens and no bad segment.
-        t = r_lo + r % TQ
-        row_ok = q_in & (t < q_len) & (t < r_hi)
-        if HAS_QMASK:
-            row_ok = row_ok & (tl.load(QM + q_out * sqm_n + t * sqm_l, mask=row_ok, other=0) != 0)
-        q_rows = q_base + t * sq_l
-        qt = _load_q_chunk(q_rows, row_ok, 0, dim, BLOCK_K, UPCAST)
+        t, row_ok, q_rows, qt = _query_block(
+            r_lo, r, q_in, q_len, r_hi, q_out, QM, sqm_n, sqm_l, q_base, sq_l, dim, TQ, BLOCK_K, HAS_QMASK, UPCAST
+        )
         n_tiles = tl.cdiv(Ld, BLOCK_N)
         k_lo = kk * docs_per_prog
         n_it = ((tl.minimum(K, k_lo + docs_per_prog) - k_lo) * n_tiles).to(tl.int32)  # int32 tile offsets
