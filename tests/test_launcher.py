@@ -94,7 +94,7 @@ def test_long_query_forwards_share_one_uncapped_configuration():
 
     long = forward_config(1024, 128, 32, True)
     assert (long.TQ, long.BQ, long.BLOCK_N, long.num_warps, long.num_stages, long.maxnreg) == (128, 1, 64, 4, 3, 0)
-    assert long.SPLIT_ROWS and forward_config(1024, 128, 1, True) == long
+    assert forward_config(1024, 128, 1, True) == long
     assert forward_config(1024, 256, 32, True).BLOCK_N == 32  # dim 256: two dim chunks
     assert all(forward_config(lq, 128, n, s).maxnreg == 0 for lq in (32, 1024) for n in (1, 256) for s in (True, False))
 

@@ -57,9 +57,7 @@ def candidates(Lq: int, dim: int, Nq: int, shared: bool, quick: bool):
             continue
         if rows * bn > 256 * 64 or (rows >= 256 and nw == 4):
             continue
-        yield ForwardConfig(tq, bq, bn, block_k, num_k, nw, ns)
-        if bq == 1 and Lq > tq:
-            yield ForwardConfig(tq, bq, bn, block_k, num_k, nw, ns, True)
+        yield ForwardConfig(tq, bq, bn, block_k, num_k, nw, ns)  # (Lq > tq: one program per row block)
 
 
 def sweep_forward(quick: bool, only: str | None = None) -> dict:

@@ -23,7 +23,6 @@ class ForwardConfig:
     NUM_K: int  # dim chunks
     num_warps: int
     num_stages: int
-    SPLIT_ROWS: bool = False  # BQ == 1 only: one program per TQ-row block of a long query (partial scores)
     # Programs per multiprocessor a persistent launch plans for (0: one program per document). Persistent programs
     # walk several shared dense documents each, for a row block that fits one program (launch.py decides).
     persist: int = 0
@@ -61,7 +60,7 @@ def forward_config(Lq: int, dim: int, Nq: int, shared_docs: bool) -> ForwardConf
         # docs/performance.md v34: training step of 32x32 Lq1024 Ld1024 830 -> 766 us against 32-token tiles capped
         # at 128 registers, which v20 had preferred when the 64-token loop spilled).
         bn = 32 if num_k > 1 else 64
-        return ForwardConfig(128, 1, bn, block_k, num_k, 4, 3, True)
+        return ForwardConfig(128, 1, bn, block_k, num_k, 4, 3)
     TQ = max(16, next_pow2(Lq))
     BQ = max(1, min(256 // TQ, next_pow2(Nq))) if shared_docs else 1
     if num_k > 1:

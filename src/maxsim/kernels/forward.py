@@ -6,8 +6,8 @@ one listed pair). Where the tokens live — dense, packed with offsets, padded w
 document in ``BLOCK_N``-token tiles, keeps a running row max (and, for training, its argmax) in registers, and never
 writes the ``[Lq, Ld]`` similarity block anywhere. Packing several queries into M (only where they share the document,
 i.e. the cross product, ``Bd == 1``) lets one loaded document tile serve all of them. Queries longer than ``TQ`` rows
-are walked in ``TQ``-row blocks by the same program, so the per-query sum stays in registers (deterministic, no
-atomics).
+are split into ``TQ``-row blocks, one program each; their partial scores are summed afterwards in a fixed order
+(deterministic, no atomics).
 
 Semantics (design.md §1) live here and nowhere else on the GPU: masked document tokens are ``-inf`` before the max; a
 query row that is masked or sees no valid document token contributes 0 and argmax -1; ties go to the lowest index
@@ -223,7 +223,7 @@ def maxsim_fwd_kernel(
     Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr,
     HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr, NORMALIZE: tl.constexpr, SAVE_ARGMAX: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PERSIST: tl.constexpr, NORMS_GIVEN: tl.constexpr,
-    EARLY_NORMS: tl.constexpr, ONE_ROW_BLOCK: tl.constexpr,
+    EARLY_NORMS: tl.constexpr,
 ):  # fmt: skip
     """Scores ``OUT [n_rsplit, Nq, K]`` and argmax ``ARG [Nq, K, Lq]``; a pair list runs as ``Nq = 1``, ``K`` =
     number of pairs, query and document of pair ``k`` read from ``PQ[k]``, ``PD[k]``.
@@ -236,8 +236,7 @@ def maxsim_fwd_kernel(
     loaded once, and the tile pipeline runs on across document boundaries instead of draining and refilling per
     document.
 
-    ``ONE_ROW_BLOCK``: ``rows_per_prog <= TQ`` (every launch of the launch table; a tuning configuration may walk
-    several row blocks per program)."""
+    Every program holds one block of ``rows_per_prog <= TQ`` query rows (``rs``-th of ``n_rsplit``)."""
     BLOCK_M: tl.constexpr = BQ * TQ
     pid = tl.program_id(0)
     # Query blocks, then row splits vary fastest, so programs that run together share a document through L2.
@@ -312,27 +311,19 @@ def maxsim_fwd_kernel(
             )
 
         score = tl.zeros([BQ], dtype=tl.float32)
-        # Long queries are split over programs in blocks of rows_per_prog rows; each writes a partial score. Rows
-        # past the longest query of the block are not computed (only their argmax slots are written, below).
+        # A program holds one block of rows_per_prog <= TQ rows (longer queries are split over programs, each
+        # writing a partial score). Rows past the longest query of the block are not computed (only their argmax
+        # slots are written, below).
         r_end = tl.minimum(r_hi, tl.max(tl.where(q_in, q_len, 0), axis=0))
-        if ONE_ROW_BLOCK:
-            # (an if, not a loop of one trip: a tile loop nested in another one is compiled with the nest's
-            # bookkeeping in every tile)
-            if r_lo < r_end:
-                score += _row_block(
-                    r_lo, r, q_in, q_len, r_hi, q_out, QM, sqm_n, sqm_l, q_base, sq_l, iq_base, siq_l, d_base, dm_doc,
-                    inv_doc, d_len, dim, sd_l, sdm_l, sid_l, ARG, K, kk, Lq,
-                    TQ, BQ, BLOCK_N, BLOCK_K, NUM_K, HAS_QMASK, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX,
-                    DOT_PRECISION, UPCAST, EARLY_NORMS,
-                )  # fmt: skip
-        else:
-            for t0 in range(r_lo, r_end, TQ):
-                score += _row_block(
-                    t0, r, q_in, q_len, r_hi, q_out, QM, sqm_n, sqm_l, q_base, sq_l, iq_base, siq_l, d_base, dm_doc,
-                    inv_doc, d_len, dim, sd_l, sdm_l, sid_l, ARG, K, kk, Lq,
-                    TQ, BQ, BLOCK_N, BLOCK_K, NUM_K, HAS_QMASK, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX,
-                    DOT_PRECISION, UPCAST, EARLY_NORMS,
-                )  # fmt: skip
+        # (an if, not a loop over row blocks: a tile loop nested in another one is compiled with the nest's
+        # bookkeeping in every tile)
+        if r_lo < r_end:
+            score += _row_block(
+                r_lo, r, q_in, q_len, r_hi, q_out, QM, sqm_n, sqm_l, q_base, sq_l, iq_base, siq_l, d_base, dm_doc,
+                inv_doc, d_len, dim, sd_l, sdm_l, sid_l, ARG, K, kk, Lq,
+                TQ, BQ, BLOCK_N, BLOCK_K, NUM_K, HAS_QMASK, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX,
+                DOT_PRECISION, UPCAST, EARLY_NORMS,
+            )  # fmt: skip
         if SAVE_ARGMAX:
             # Slots past the end of every query of the block: no token, argmax -1.
             t_tail = r_lo + tl.cdiv(tl.maximum(r_end - r_lo, 0), TQ) * TQ

@@ -268,10 +268,10 @@ def forward_keeping_norms(
     n_qblocks = triton_cdiv(Nq, cfg.BQ)
     # Queries longer than one row block: one program per row block (more programs, shorter ones), partial scores
     # summed afterwards in a fixed order.
-    n_rsplit = triton_cdiv(Lq, cfg.TQ) if cfg.SPLIT_ROWS else 1
+    n_rsplit = triton_cdiv(Lq, cfg.TQ)
     rows_per_prog = cfg.TQ if n_rsplit > 1 else Lq
     docs_per_prog = 1
-    if cfg.persist and not sg.pairs and sg.d_kind == DENSE and cfg.NUM_K == 1 and rows_per_prog <= cfg.TQ:
+    if cfg.persist and not sg.pairs and sg.d_kind == DENSE and cfg.NUM_K == 1:
         slots = _sm_count(Q.device) * cfg.persist
         # A persistent launch planned one program to a multiprocessor (packed queries) loses the two that the
         # hardware keeps resident when each program takes one document: H100, training forward of 64x64 Lq32 Ld1024
@@ -303,7 +303,6 @@ def forward_keeping_norms(
             PERSIST=docs_per_prog > 1, NORMS_GIVEN=norms_given,
             # (a split query's scores-only loop ran 5 % slower with the early load: ColPali 357 -> 376 us)
             EARLY_NORMS=norms_given and (need_argmax or n_rsplit == 1),
-            ONE_ROW_BLOCK=rows_per_prog <= cfg.TQ,
         ),
         cfg.num_warps,
         cfg.num_stages,
