@@ -18,6 +18,7 @@ any of the near-maximal document tokens; everywhere else the argmax must equal t
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -447,6 +448,55 @@ def test_cases_by_length_class(case, keep, monkeypatch):
     monkeypatch.setattr(cpu_ragged, "BY_LENGTH_MIN_WORK", 0)
     with maxsim.backend("torch"):
         check_ragged(case, "cpu")
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-block", "chunked"])
+@pytest.mark.parametrize("case,keep", VARLEN_CASES, ids=_case_ids(VARLEN_CASES))
+def test_scores_only_packed_cpu_path(case, keep, chunked, monkeypatch):
+    """Scores without a gradient or an argmax of a packed varlen batch on the CPU come from GEMMs of the real tokens
+    and segment reductions, without padding (``chunked``: blocks of a few rows forced): the reference's scores."""
+    from maxsim import cpu, cpu_ragged
+
+    case = dataclasses.replace(case, return_argmax=False)  # (an argmax takes the padded path)
+    if chunked:
+        monkeypatch.setattr(cpu, "BLOCK_BYTES", 256)
+        monkeypatch.setattr(cpu_ragged, "PACKED_QUERY_ROWS", 8)
+    taken = []
+    packed = cpu_ragged._packed_cross_scores
+
+    def spy(*args):
+        taken.append(True)
+        return packed(*args)
+
+    monkeypatch.setattr(cpu_ragged, "_packed_cross_scores", spy)
+    b = build(case, "cpu")
+    with maxsim.backend("torch"), torch.no_grad():
+        s = lib_call(case, b)
+    rs, _ = ref_call(case, b, b.Q.double(), b.D.double())
+    inp = dense_view(case, b)[0]
+    assert_scores_close(s, rs, dtype=case.torch_dtype, magnitude=score_magnitude(inp, case.normalize, rs.shape))
+    assert taken, "the scores-only call did not take the packed path"
+
+
+@pytest.mark.parametrize(
+    "cu_d,max_d",
+    [((0, 5, 13), 8), ((0, 7, 12), 6), ((0, 9, 5), 12), ((-2, 5, 12), 8)],
+    ids=["past-the-rows", "longer-than-max_seqlen", "decreasing", "negative"],
+)
+def test_scores_only_packed_cpu_path_bad_offsets(cu_d, max_d):
+    """Unvalidated offsets past the packed rows, or a segment longer than its ``max_seqlen``: the scores-only CPU call
+    gives the same scores as a call with a gradient, NaN for the sequences concerned."""
+    gen = torch.Generator().manual_seed(5)
+    Q, D = torch.randn(10, 8, generator=gen), torch.randn(12, 8, generator=gen)
+    cu_q, cu_d = torch.tensor([0, 4, 10], dtype=torch.int32), torch.tensor(cu_d, dtype=torch.int32)
+    kw = dict(max_seqlen_q=6, max_seqlen_d=max_d, validate=False)
+    with maxsim.backend("torch"):
+        with torch.no_grad():
+            s = maxsim.maxsim_varlen(Q, D, cu_q, cu_d, **kw)
+        g = maxsim.maxsim_varlen(Q.clone().requires_grad_(), D, cu_q, cu_d, **kw).detach()
+    assert bool(torch.isnan(s).any()), "the case has no NaN score"
+    assert_same_nan(s, g, "scores")
+    torch.testing.assert_close(s[~torch.isnan(s)], g[~torch.isnan(g)], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("index", ["scan", "csr"])

@@ -3,7 +3,9 @@ and route the gradients back to the packed rows.
 
 The padded blocks are copies (``[Nq, max_q, dim]`` and ``[Nd, max_d, dim]``; for a pair list one block of pairs at
 a time, within :data:`maxsim.cpu.BLOCK_BYTES`), which is fine off the GPU, where this path runs. Out-of-range
-offsets, lengths or pair ids give NaN scores, as in the kernels. No host↔device sync beyond what PyTorch ops do.
+offsets, lengths or pair ids give NaN scores, as in the kernels. No host↔device sync beyond what PyTorch ops do,
+except on CPU tensors, where reading values back is free: large skewed batches are grouped by length class there, and
+a scores-only varlen cross product with well-formed offsets needs no padding at all (:func:`_packed_cross_scores`).
 """
 
 from __future__ import annotations
@@ -88,6 +90,10 @@ def forward(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: Ragged
     """As :func:`maxsim.cpu.forward` for a ragged description: scores ``[Nq, K]`` (a pair list: ``[1, P]``)."""
     if rg.pair_q is not None:
         return _forward_pairs(Q, D, normalize, need_argmax, rg)
+    if not need_argmax and _both_packed_on_cpu(Q, D, rg):
+        scores = _packed_cross_scores(Q, D, normalize, rg)
+        if scores is not None:
+            return scores, torch.empty((0,), dtype=torch.int32)
     if _by_length_worthwhile(Q, D, rg):
         return _forward_by_length(Q, D, normalize, need_argmax, rg)
     dn = _Dense(Q, D, rg)
@@ -127,6 +133,72 @@ def _forward_pairs(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg:
             if need_argmax:
                 argmax[0, sel] = a[:, 0]
     return scores.masked_fill(bad[None, :], float("nan")), argmax
+
+
+def _both_packed_on_cpu(Q: Tensor, D: Tensor, rg: Ragged) -> bool:
+    return Q.device.type == "cpu" and Q.dim() == 2 and D.dim() == 2 and rg.q_seg is not None and rg.d_seg is not None
+
+
+def _well_formed(seg: Tensor, rows: int, max_len: int) -> tuple[list[int], list[int]] | None:
+    """``(offsets, lengths)`` as lists when every segment of ``seg [N + 1]`` lies within ``rows`` and holds at most
+    ``max_len`` rows, else None (CPU tensors only: the read-back is free there)."""
+    offsets = seg.tolist()
+    lengths = seg.diff().tolist()
+    if offsets[0] < 0 or offsets[-1] > rows or (lengths and (min(lengths) < 0 or max(lengths) > max_len)):
+        return None
+    return offsets, lengths
+
+
+def _chunks(offsets: list[int], max_rows: int) -> list[tuple[int, int]]:
+    """Runs ``[i0, i1)`` of consecutive segments spanning at most ``max_rows`` rows each (one segment at least)."""
+    out, i0 = [], 0
+    for i in range(1, len(offsets)):
+        if i - 1 > i0 and offsets[i] - offsets[i0] > max_rows:
+            out.append((i0, i - 1))
+            i0 = i - 1
+    if len(offsets) > 1:
+        out.append((i0, len(offsets) - 1))
+    return out
+
+
+PACKED_QUERY_ROWS = 4096
+"""Query rows per block of the packed scores-only path (documents then fill :data:`maxsim.cpu.BLOCK_BYTES`)."""
+
+
+def _packed_cross_scores(Q: Tensor, D: Tensor, normalize: bool, rg: Ragged) -> Tensor | None:
+    """Scores-only varlen cross product on the CPU without padding: one GEMM of the packed tokens per block
+    (``[query rows, document rows]``, real similarities only), the max over each document's columns and the sum
+    over each query's rows as segment reductions (a document without tokens contributes 0, as in every path; NaN
+    propagates). None when an offset is out of range or a segment is longer than its ``max_seqlen``: the padded
+    path gives those scores NaN."""
+    q = _well_formed(rg.q_seg, Q.shape[0], rg.max_q)
+    d = _well_formed(rg.d_seg, D.shape[0], rg.max_d)
+    if q is None or d is None:
+        return None
+    (q_off, q_len), (d_off, d_len) = q, d
+    acc = torch.float64 if Q.dtype == torch.float64 else torch.float32
+    scores = torch.zeros((len(q_len), len(d_len)), dtype=acc)
+    itemsize = torch.finfo(acc).bits // 8
+    d_len_t, q_len_t = torch.tensor(d_len), torch.tensor(q_len)
+    for qi0, qi1 in _chunks(q_off, PACKED_QUERY_ROWS):
+        r0, r1 = q_off[qi0], q_off[qi1]
+        if r1 == r0:
+            continue  # queries without tokens score 0
+        Qb = cpu._as(Q[r0:r1], acc)
+        if normalize:
+            Qb = Qb * cpu._inv_norm(Qb)[:, None]
+        for di0, di1 in _chunks(d_off, max(1, cpu.BLOCK_BYTES // (itemsize * (r1 - r0)))):
+            c0, c1 = d_off[di0], d_off[di1]
+            if c1 == c0:
+                continue  # documents without tokens: every query token contributes 0
+            Db = cpu._as(D[c0:c1], acc)
+            if normalize:
+                Db = Db * cpu._inv_norm(Db)[:, None]
+            lengths = d_len_t[di0:di1]
+            best = torch.segment_reduce(Qb @ Db.T, "max", lengths=lengths.expand(r1 - r0, -1), axis=1, unsafe=True)
+            best = torch.where(lengths > 0, best, best.new_zeros(()))  # (an empty segment's max is -inf)
+            scores[qi0:qi1, di0:di1] = torch.segment_reduce(best, "sum", lengths=q_len_t[qi0:qi1], axis=0, unsafe=True)
+    return scores
 
 
 def _length_classes(lengths: Tensor) -> list[tuple[Tensor, int]]:
