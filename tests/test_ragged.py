@@ -441,62 +441,88 @@ def test_varlen_cases(case, keep, dd, backend, device, monkeypatch):
 
 @pytest.mark.parametrize("case,keep", VARLEN_CASES + PAIR_CASES, ids=_case_ids(VARLEN_CASES + PAIR_CASES))
 def test_cases_by_length_class(case, keep, monkeypatch):
-    """The CPU path with documents grouped by length class (large padded problems; forced here) matches the
-    reference like the single padded call, for the varlen cross product and for pair lists."""
+    """The CPU path with documents grouped by length class (large padded problems; forced here, and the packed
+    path's argmax bound set below every problem) matches the reference like the single padded call, for the varlen
+    cross product and for pair lists."""
     from maxsim import cpu_ragged
 
     monkeypatch.setattr(cpu_ragged, "BY_LENGTH_MIN_WORK", 0)
+    monkeypatch.setattr(cpu_ragged, "PACKED_ARGMAX_MAX_SIMS", -1)
     with maxsim.backend("torch"):
         check_ragged(case, "cpu")
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["scores", "argmax-and-grads"])
 @pytest.mark.parametrize("chunked", [False, True], ids=["one-block", "chunked"])
 @pytest.mark.parametrize("case,keep", VARLEN_CASES, ids=_case_ids(VARLEN_CASES))
-def test_scores_only_packed_cpu_path(case, keep, chunked, monkeypatch):
-    """Scores without a gradient or an argmax of a packed varlen batch on the CPU come from GEMMs of the real tokens
-    and segment reductions, without padding (``chunked``: blocks of a few rows forced): the reference's scores."""
+def test_packed_cpu_path(case, keep, chunked, grad, monkeypatch):
+    """A packed varlen batch on the CPU is scored from GEMMs of the real tokens and segment reductions, without
+    padding (``chunked``: blocks of a few rows forced): the reference's scores without a gradient, and its scores,
+    argmax and gradients with one."""
     from maxsim import cpu, cpu_ragged
 
-    case = dataclasses.replace(case, return_argmax=False)  # (an argmax takes the padded path)
     if chunked:
         monkeypatch.setattr(cpu, "BLOCK_BYTES", 256)
         monkeypatch.setattr(cpu_ragged, "PACKED_QUERY_ROWS", 8)
     taken = []
-    packed = cpu_ragged._packed_cross_scores
+    packed = cpu_ragged._packed_cross
 
     def spy(*args):
         taken.append(True)
         return packed(*args)
 
-    monkeypatch.setattr(cpu_ragged, "_packed_cross_scores", spy)
-    b = build(case, "cpu")
+    monkeypatch.setattr(cpu_ragged, "_packed_cross", spy)
+    if grad:
+        with maxsim.backend("torch"):
+            check_ragged(case, "cpu")
+    else:
+        case = dataclasses.replace(case, return_argmax=False)
+        b = build(case, "cpu")
+        with maxsim.backend("torch"), torch.no_grad():
+            s = lib_call(case, b)
+        rs, _ = ref_call(case, b, b.Q.double(), b.D.double())
+        inp = dense_view(case, b)[0]
+        assert_scores_close(s, rs, dtype=case.torch_dtype, magnitude=score_magnitude(inp, case.normalize, rs.shape))
+    assert taken, "the call did not take the packed path"
+
+
+def test_packed_cpu_path_nan_argmax():
+    """A document holding NaN: its scores are NaN and each query token's argmax is the document's first NaN token,
+    as ``torch.max`` (the reference) picks it; the other documents keep their argmax."""
+    gen = torch.Generator().manual_seed(9)
+    Q, D = torch.randn(7, 8, generator=gen), torch.randn(15, 8, generator=gen)
+    D[6, 3] = D[8, 0] = float("nan")  # tokens 2 and 4 of document 1 (rows 4..10)
+    cu_q, cu_d = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 4, 11, 15], dtype=torch.int32)
     with maxsim.backend("torch"), torch.no_grad():
-        s = lib_call(case, b)
-    rs, _ = ref_call(case, b, b.Q.double(), b.D.double())
-    inp = dense_view(case, b)[0]
-    assert_scores_close(s, rs, dtype=case.torch_dtype, magnitude=score_magnitude(inp, case.normalize, rs.shape))
-    assert taken, "the scores-only call did not take the packed path"
+        s, arg = maxsim.maxsim_varlen(Q, D, cu_q, cu_d, max_seqlen_q=4, max_seqlen_d=7, return_argmax=True)
+    rs, rarg = reference.maxsim_varlen_with_argmax(Q.double(), D.double(), cu_q, cu_d, max_seqlen_q=4, max_seqlen_d=7)
+    assert_same_nan(s, rs, "scores")
+    assert bool(torch.isnan(s[:, 1]).all()) and not bool(torch.isnan(s[:, [0, 2]]).any())
+    assert torch.equal(arg.long(), rarg), f"argmax {arg.tolist()} != reference {rarg.tolist()}"
+    assert bool((arg[:, 1][rarg[:, 1] >= 0] == 2).all()), "the first NaN token is not the argmax"
 
 
 @pytest.mark.parametrize(
-    "cu_d,max_d",
-    [((0, 5, 13), 8), ((0, 7, 12), 6), ((0, 9, 5), 12), ((-2, 5, 12), 8)],
+    "cu_d,max_d,bad_doc",
+    [((0, 5, 13), 8, 1), ((0, 7, 12), 6, 0), ((0, 9, 5), 12, 1), ((-2, 5, 12), 8, 0)],
     ids=["past-the-rows", "longer-than-max_seqlen", "decreasing", "negative"],
 )
-def test_scores_only_packed_cpu_path_bad_offsets(cu_d, max_d):
-    """Unvalidated offsets past the packed rows, or a segment longer than its ``max_seqlen``: the scores-only CPU call
-    gives the same scores as a call with a gradient, NaN for the sequences concerned."""
+@pytest.mark.parametrize("grad", [False, True], ids=["scores", "with-grad"])
+def test_packed_cpu_path_bad_offsets(cu_d, max_d, bad_doc, grad):
+    """Unvalidated offsets out of range or a segment longer than its ``max_seqlen``: the packed CPU path hands the
+    call to the padded one, whose scores are NaN for the document concerned and the reference's for the other."""
     gen = torch.Generator().manual_seed(5)
     Q, D = torch.randn(10, 8, generator=gen), torch.randn(12, 8, generator=gen)
-    cu_q, cu_d = torch.tensor([0, 4, 10], dtype=torch.int32), torch.tensor(cu_d, dtype=torch.int32)
-    kw = dict(max_seqlen_q=6, max_seqlen_d=max_d, validate=False)
-    with maxsim.backend("torch"):
-        with torch.no_grad():
-            s = maxsim.maxsim_varlen(Q, D, cu_q, cu_d, **kw)
-        g = maxsim.maxsim_varlen(Q.clone().requires_grad_(), D, cu_q, cu_d, **kw).detach()
-    assert bool(torch.isnan(s).any()), "the case has no NaN score"
-    assert_same_nan(s, g, "scores")
-    torch.testing.assert_close(s[~torch.isnan(s)], g[~torch.isnan(g)], rtol=1e-6, atol=1e-6)
+    cu_q, cu_d_t = torch.tensor([0, 4, 10], dtype=torch.int32), torch.tensor(cu_d, dtype=torch.int32)
+    with maxsim.backend("torch"), torch.set_grad_enabled(grad):
+        s = maxsim.maxsim_varlen(
+            Q.clone().requires_grad_(grad), D, cu_q, cu_d_t, max_seqlen_q=6, max_seqlen_d=max_d, validate=False
+        ).detach()
+    good = 1 - bad_doc
+    g0, g1 = cu_d[good], cu_d[good + 1]
+    expected = reference.maxsim_varlen(Q.double(), D[g0:g1].double(), cu_q, torch.tensor([0, g1 - g0]))[:, 0]
+    assert bool(torch.isnan(s[:, bad_doc]).all()), f"document {bad_doc}: expected NaN scores, got {s[:, bad_doc]}"
+    torch.testing.assert_close(s[:, good].double(), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("index", ["scan", "csr"])
