@@ -525,6 +525,34 @@ def test_packed_cpu_path_bad_offsets(cu_d, max_d, bad_doc, grad):
     torch.testing.assert_close(s[:, good].double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "pair_q,pair_d,cu_d",
+    [((0, 2, 1), (1, 0, 1), (0, 5, 12)), ((0, -1, 1), (1, 0, 1), (0, 5, 12)), ((0, 1, 1), (2, 0, 1), (0, 5, 12)),
+     ((0, 1, 1), (1, 0, 1), (0, 5, 13))],
+    ids=["query-id-too-large", "query-id-negative", "document-id-too-large", "offset-past-the-rows"],
+)  # fmt: skip
+@pytest.mark.parametrize("grad", [False, True], ids=["scores", "with-grad"])
+def test_pairs_on_cpu_with_bad_ids(pair_q, pair_d, cu_d, grad):
+    """Unvalidated pair ids or offsets out of range on the CPU: the pairs concerned score NaN (the checked path),
+    the others the reference's scores (the pairs with good ids alone, through the fast path)."""
+    gen = torch.Generator().manual_seed(3)
+    Q, D = torch.randn(10, 8, generator=gen), torch.randn(12, 8, generator=gen)
+    cu_q, cu_d_t = torch.tensor([0, 4, 10], dtype=torch.int32), torch.tensor(cu_d, dtype=torch.int32)
+    pq, pd = torch.tensor(pair_q), torch.tensor(pair_d)
+    kw = dict(max_seqlen_q=6, max_seqlen_d=8, validate=False)
+    with maxsim.backend("torch"), torch.set_grad_enabled(grad):
+        s = maxsim.maxsim_pairs_varlen(Q.clone().requires_grad_(grad), D, cu_q, cu_d_t, pq, pd, **kw).detach()
+    rows_d = cu_d[-1] <= D.shape[0]
+    good = (pq >= 0) & (pq < 2) & (pd >= 0) & (pd < 2) & ((pd == 0) | rows_d)
+    assert bool(torch.isnan(s[~good]).all()) and not bool(good.all()), f"expected NaN where {~good}, got {s}"
+    keep = good.nonzero().squeeze(1)
+    with maxsim.backend("torch"), torch.no_grad():
+        expected = maxsim.maxsim_pairs_varlen(Q, D, cu_q, cu_d_t.clamp(max=12), pq[keep], pd[keep], **kw)
+    ref = reference.maxsim_pairs_varlen(Q.double(), D.double(), cu_q, cu_d_t.clamp(max=12), pq[keep], pd[keep])
+    torch.testing.assert_close(expected.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s[keep], expected, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("index", ["scan", "csr"])
 @pytest.mark.parametrize("case,keep", PAIR_CASES, ids=_case_ids(PAIR_CASES))
 def test_pairs_varlen_cases(case, keep, index, backend, device, monkeypatch):

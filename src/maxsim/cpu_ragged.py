@@ -110,29 +110,68 @@ def _forward_pairs(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg:
     """Pair lists, one block of pairs at a time, gathered straight from the packed rows (no padded copy of Q or
     D as a whole). Large problems on the CPU group the pairs by their document's length class first, each group
     padded to its own longest document (see :func:`_forward_by_length`)."""
-    q_idx, q_valid, q_bad = _segment_rows(rg.q_seg, Q.shape[0], rg.max_q)
-    d_idx, d_valid, d_bad = _segment_rows(rg.d_seg, D.shape[0], rg.max_d)
-    pq, pd, bad = _pair_ids(rg, q_idx.shape[0], d_idx.shape[0])
-    bad = bad | q_bad[pq] | d_bad[pd]
+    rows = _well_formed_pair_rows(Q, D, rg)
+    if rows is not None:  # (no out-of-range flags to carry)
+        q_idx, q_valid, d_idx, d_valid, pq, pd = rows
+        bad = None
+    else:
+        q_idx, q_valid, q_bad = _segment_rows(rg.q_seg, Q.shape[0], rg.max_q)
+        d_idx, d_valid, d_bad = _segment_rows(rg.d_seg, D.shape[0], rg.max_d)
+        pq, pd, bad = _pair_ids(rg, q_idx.shape[0], d_idx.shape[0])
+        bad = bad | q_bad[pq] | d_bad[pd]
     P, Lq, Ld, dim = pq.shape[0], rg.max_q, rg.max_d, Q.shape[-1]
-    scores = torch.empty((1, P), dtype=torch.float64 if Q.dtype == torch.float64 else torch.float32, device=Q.device)
-    argmax = torch.empty((1, P, Lq) if need_argmax else (0,), dtype=torch.int32, device=Q.device)
-    groups = [(torch.arange(P, device=Q.device), Ld)]
-    if Q.device.type == "cpu" and P * Lq * Ld >= BY_LENGTH_MIN_WORK:
-        groups = _length_classes(d_valid.sum(dim=1)[pd])
-    for ids, width in groups:
-        step = max(1, cpu.BLOCK_BYTES // max(1, (Lq + width) * dim * 8 + Lq * width * 8))
-        for i0 in range(0, ids.shape[0], step):
-            sel = ids[i0 : i0 + step]
-            bq, bd = pq[sel], pd[sel]
-            s, a = cpu.forward(
-                _gather(Q, q_idx.index_select(0, bq)), _gather(D, d_idx[:, :width].index_select(0, bd))[:, None],
-                q_valid.index_select(0, bq), d_valid[:, :width].index_select(0, bd)[:, None], normalize, need_argmax,
-            )  # fmt: skip
-            scores[0, sel] = s[:, 0]
-            if need_argmax:
-                argmax[0, sel] = a[:, 0]
-    return scores.masked_fill(bad[None, :], float("nan")), argmax
+
+    def block(bq: Tensor, bd: Tensor, width: int) -> tuple[Tensor, Tensor]:
+        return cpu.forward(
+            _gather(Q, q_idx.index_select(0, bq)), _gather(D, d_idx[:, :width].index_select(0, bd))[:, None],
+            q_valid.index_select(0, bq), d_valid[:, :width].index_select(0, bd)[:, None], normalize, need_argmax,
+        )  # fmt: skip
+
+    step = max(1, cpu.BLOCK_BYTES // max(1, (Lq + Ld) * dim * 8 + Lq * Ld * 8))
+    if step >= P and not (Q.device.type == "cpu" and P * Lq * Ld >= BY_LENGTH_MIN_WORK):
+        s, a = block(pq, pd, Ld)  # one block of every pair: its results are the answer
+        scores, argmax = s.view(1, P), (a.view(1, P, Lq) if need_argmax else a)
+    else:
+        acc = torch.float64 if Q.dtype == torch.float64 else torch.float32
+        scores = torch.empty((1, P), dtype=acc, device=Q.device)
+        argmax = torch.empty((1, P, Lq) if need_argmax else (0,), dtype=torch.int32, device=Q.device)
+        groups = [(torch.arange(P, device=Q.device), Ld)]
+        if Q.device.type == "cpu" and P * Lq * Ld >= BY_LENGTH_MIN_WORK:
+            groups = _length_classes(d_valid.sum(dim=1)[pd])
+        for ids, width in groups:
+            step = max(1, cpu.BLOCK_BYTES // max(1, (Lq + width) * dim * 8 + Lq * width * 8))
+            for i0 in range(0, ids.shape[0], step):
+                sel = ids[i0 : i0 + step]
+                s, a = block(pq[sel], pd[sel], width)
+                scores[0, sel] = s[:, 0]
+                if need_argmax:
+                    argmax[0, sel] = a[:, 0]
+    return (scores if bad is None else scores.masked_fill(bad[None, :], float("nan"))), argmax
+
+
+def _well_formed_pair_rows(Q: Tensor, D: Tensor, rg: Ragged) -> tuple[Tensor, ...] | None:
+    """On the CPU, where reading values back is free: ``(q_idx, q_valid, d_idx, d_valid, pair_q, pair_d)`` as
+    :func:`_segment_rows` and :func:`_pair_ids` give them, when every offset and pair id is in range (so no flags
+    are needed); else None."""
+    if Q.device.type != "cpu" or Q.dim() != 2 or D.dim() != 2:
+        return None
+    q = _well_formed(rg.q_seg, Q.shape[0], rg.max_q)
+    d = _well_formed(rg.d_seg, D.shape[0], rg.max_d)
+    if q is None or d is None:
+        return None
+    for ids, n in ((rg.pair_q, len(q[1])), (rg.pair_d, len(d[1]))):
+        if ids.numel():
+            lo, hi = ids.aminmax()
+            if lo < 0 or hi >= n:
+                return None
+    return (*_rows(rg.q_seg, Q.shape[0], rg.max_q), *_rows(rg.d_seg, D.shape[0], rg.max_d), rg.pair_q, rg.pair_d)
+
+
+def _rows(seg: Tensor, rows: int, max_len: int) -> tuple[Tensor, Tensor]:
+    """:func:`_segment_rows` of offsets known to be in range: ``(row index [N, max_len], valid [N, max_len])``."""
+    t = torch.arange(max_len)
+    start = seg[:-1].long()
+    return (start[:, None] + t).clamp(max=max(rows - 1, 0)), t < (seg[1:].long() - start)[:, None]
 
 
 def _both_packed_on_cpu(Q: Tensor, D: Tensor, rg: Ragged) -> bool:
