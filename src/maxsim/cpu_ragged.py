@@ -162,7 +162,7 @@ def _well_formed_pair_rows(Q: Tensor, D: Tensor, rg: Ragged) -> tuple[Tensor, ..
     for ids, n in ((rg.pair_q, len(q[1])), (rg.pair_d, len(d[1]))):
         if ids.numel():
             lo, hi = ids.aminmax()
-            if lo < 0 or hi >= n:
+            if lo < 0 or hi >= n:  # (a read of CPU values: no sync)
                 return None
     return (*_rows(rg.q_seg, Q.shape[0], rg.max_q), *_rows(rg.d_seg, D.shape[0], rg.max_d), rg.pair_q, rg.pair_d)
 
@@ -181,7 +181,7 @@ def _both_packed_on_cpu(Q: Tensor, D: Tensor, rg: Ragged) -> bool:
 def _well_formed(seg: Tensor, rows: int, max_len: int) -> tuple[list[int], list[int]] | None:
     """``(offsets, lengths)`` as lists when every segment of ``seg [N + 1]`` lies within ``rows`` and holds at most
     ``max_len`` rows, else None (CPU tensors only: the read-back is free there)."""
-    offsets = seg.tolist()
+    offsets = seg.tolist()  # no sync: callers pass CPU tensors only
     lengths = seg.diff().tolist()
     if offsets[0] < 0 or offsets[-1] > rows or (lengths and (min(lengths) < 0 or max(lengths) > max_len)):
         return None
