@@ -486,6 +486,15 @@ def test_packed_cpu_path(case, keep, chunked, grad, monkeypatch):
     assert taken, "the call did not take the packed path"
 
 
+def test_packed_path_never_reads_offsets_off_the_cpu():
+    """The packed path's read-back of offsets happens on CPU tensors only: offsets elsewhere (a ``meta`` tensor here,
+    which has no values to read) send the call to the padded path instead of syncing."""
+    from maxsim import cpu_ragged
+
+    assert cpu_ragged._well_formed(torch.zeros(3, dtype=torch.int32, device="meta"), 10, 5) is None
+    assert cpu_ragged._well_formed(torch.tensor([0, 3, 5], dtype=torch.int32), 10, 5) == ([0, 3, 5], [3, 2])
+
+
 def test_packed_cpu_path_nan_argmax():
     """A document holding NaN: its scores are NaN and each query token's argmax is the document's first NaN token,
     as ``torch.max`` (the reference) picks it; the other documents keep their argmax."""

@@ -160,6 +160,8 @@ def _well_formed_pair_rows(Q: Tensor, D: Tensor, rg: Ragged) -> tuple[Tensor, ..
     if q is None or d is None:
         return None
     for ids, n in ((rg.pair_q, len(q[1])), (rg.pair_d, len(d[1]))):
+        if ids.device.type != "cpu":
+            return None  # (the checked path: no read-back off the CPU)
         if ids.numel():
             lo, hi = ids.aminmax()
             if lo < 0 or hi >= n:  # (a read of CPU values: no sync)
@@ -180,9 +182,12 @@ def _both_packed_on_cpu(Q: Tensor, D: Tensor, rg: Ragged) -> bool:
 
 def _well_formed(seg: Tensor, rows: int, max_len: int) -> tuple[list[int], list[int]] | None:
     """``(offsets, lengths)`` as lists when every segment of ``seg [N + 1]`` lies within ``rows`` and holds at most
-    ``max_len`` rows, else None (CPU tensors only: the read-back is free there)."""
-    offsets = seg.tolist()  # no sync: callers pass CPU tensors only
-    lengths = seg.diff().tolist()
+    ``max_len`` rows, else None. Offsets on a device other than the CPU give None too, so the caller takes the padded
+    path: the one read-back here is free on the CPU only, and it never becomes a host sync."""
+    if seg.device.type != "cpu":
+        return None
+    offsets = seg.tolist()  # CPU memory: a copy, not a device sync
+    lengths = [b - a for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
     if offsets[0] < 0 or offsets[-1] > rows or (lengths and (min(lengths) < 0 or max(lengths) > max_len)):
         return None
     return offsets, lengths
