@@ -6,7 +6,7 @@ Only ``Lq``, ``dim`` (and, for the packing factor, ``Nq`` below 128 / TQ) pick a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 
@@ -82,6 +82,14 @@ def forward_config(Lq: int, dim: int, Nq: int, shared_docs: bool) -> ForwardConf
     # inference within 1 %.
     persist = (1 if BQ > 1 and num_warps == 8 else 0) if shared_docs else (4 if num_k == 1 and BQ == 1 else 0)
     return ForwardConfig(TQ, BQ, block_n, block_k, num_k, num_warps, 3, persist=persist)
+
+
+def streaming_config(cfg: ForwardConfig) -> ForwardConfig:
+    """``cfg`` for the forward's register-prefetched tile loop (``STREAM_D``; launch.py decides): one program per
+    document, 64-token tiles at 128 dims and 32-token ones at 64 (H100, in-process, 1x1000 Lq32 Ld300: 64-token
+    tiles 36.8 us, 32-token 47.1, persistent 36.5; candidates 32x100 Ld256 83.9 against 87.0 for the table's
+    persistent 32-token walk; 1x1000 Ld1024 dim 48: 32-token tiles 44.7, 64 48.2, 128 46.9)."""
+    return replace(cfg, BLOCK_N=64 if cfg.BLOCK_K >= 128 else 32, num_warps=4, persist=0)
 
 
 CANDIDATE_OWNER_BLOCK_K = 64  # dims per dD owner program of a candidate document (see backward_config)

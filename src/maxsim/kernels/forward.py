@@ -47,6 +47,31 @@ def _load_q_chunk(q_rows, row_ok, kc, dim, BLOCK_K: tl.constexpr, UPCAST: tl.con
 
 
 @triton.jit
+def _stream_tile(d_base, n0, d_len, sd_l, dim, live, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The document tile ``[n0, n0 + BLOCK_N)`` (rows past ``d_len`` read its last token; nothing where ``live`` is
+    false), loaded into registers as the first lines to leave the L2 (``evict_first``): no other program reads it,
+    and a pass over a corpus then replaces its own lines instead of the queries or lines another kernel left
+    dirty, whose write-back would take HBM bandwidth in the middle of the pass. (Triton drops the hint from the
+    asynchronous copies of its pipeliner, so these loads are plain ones, issued one tile ahead by the caller.)"""
+    rows = tl.minimum(n0 + tl.arange(0, BLOCK_N), d_len - 1)
+    kd = tl.arange(0, BLOCK_K)
+    ptrs = d_base + rows[:, None] * sd_l + kd[None, :]
+    lim = dim * live.to(tl.int32)  # (a scalar folded into the column bound: no predicate of its own)
+    return tl.load(ptrs, mask=kd[None, :] < lim, other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _first_tile(
+    d_base, d_len, sd_l, dim, live, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STREAM_D: tl.constexpr
+):  # fmt: skip
+    """The first tile a ``STREAM_D`` tile loop scans (nothing read unless ``live``); zeros, never read, otherwise."""
+    if STREAM_D:
+        return _stream_tile(d_base, 0, d_len, sd_l, dim, live, BLOCK_N, BLOCK_K)
+    else:
+        return tl.zeros([BLOCK_N, BLOCK_K], dtype=d_base.dtype.element_ty)
+
+
+@triton.jit
 def _argmax_slots(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SAVE_ARGMAX: tl.constexpr):
     """The running argmax's tile offsets ``[rows, BLOCK_N]`` (fp32, relative to the next tile: see
     :func:`_scan_tile`), or a one-element stand-in when none is kept (so a loop that resets it costs no registers)."""
@@ -58,13 +83,14 @@ def _argmax_slots(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SAVE_ARGMAX: tl.
 
 @triton.jit
 def _scan_tile(
-    qt, q_rows, row_ok, d_base, dm_doc, inv_doc, n0, d_len, dim, sd_l, sdm_l, sid_l, m2, a2, any_valid,
+    qt, q_rows, row_ok, d_base, dm_doc, inv_doc, n0, d_len, dim, sd_l, sdm_l, sid_l, m2, a2, any_valid, dt_pre,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, HAS_DMASK: tl.constexpr,
     NORMALIZE: tl.constexpr, NORMS_GIVEN: tl.constexpr, SAVE_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, EARLY_NORMS: tl.constexpr,
+    UPCAST: tl.constexpr, EARLY_NORMS: tl.constexpr, STREAM_D: tl.constexpr,
 ):  # fmt: skip
     """One document tile ``[n0, n0 + BLOCK_N)`` folded into the running max ``m2`` (and argmax ``a2``) of shape
-    ``[rows, BLOCK_N]``; ``any_valid [BLOCK_N]`` remembers whether a column slot ever held a valid token."""
+    ``[rows, BLOCK_N]``; ``any_valid [BLOCK_N]`` remembers whether a column slot ever held a valid token.
+    ``STREAM_D`` (one dim chunk, no document mask): the tile is ``dt_pre``, loaded by the caller (``_stream_tile``)."""
     cols = n0 + tl.arange(0, BLOCK_N)
     in_doc = cols < d_len
     col_ok = in_doc
@@ -80,7 +106,9 @@ def _scan_tile(
         if NUM_K > 1:
             qt = _load_q_chunk(q_rows, row_ok, kc, dim, BLOCK_K, UPCAST)
         kd = kc * BLOCK_K + tl.arange(0, BLOCK_K)
-        if HAS_DMASK:
+        if STREAM_D:
+            dt = dt_pre
+        elif HAS_DMASK:
             # Masked document tokens are not read (they may hold NaN/inf, and their bytes are not needed).
             dt = tl.load(
                 d_base + cols[:, None] * sd_l + kd[None, :], mask=col_ok[:, None] & (kd[None, :] < dim), other=0.0
@@ -171,6 +199,7 @@ def _row_block(
     TQ: tl.constexpr, BQ: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
     HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr, NORMALIZE: tl.constexpr, NORMS_GIVEN: tl.constexpr,
     SAVE_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, EARLY_NORMS: tl.constexpr,
+    STREAM_D: tl.constexpr,
 ):  # fmt: skip
     """Rows ``t0 .. t0 + TQ`` of the program's packed queries against one document: their argmax stored, their
     per-query score contributions ``[BQ]`` returned."""
@@ -183,11 +212,15 @@ def _row_block(
     m2 = tl.full([BLOCK_M, BLOCK_N], float("-inf"), dtype=tl.float32)
     a2 = _argmax_slots(BLOCK_M, BLOCK_N, SAVE_ARGMAX)
     any_valid = tl.zeros([BLOCK_N], dtype=tl.int32)
+    dt = _first_tile(d_base, d_len, sd_l, dim, d_len > 0, BLOCK_N, BLOCK_K, STREAM_D)
     for n0 in range(0, d_len, BLOCK_N):
+        dt_pre = dt
+        if STREAM_D:  # the next tile's loads in flight during this one's MMA
+            dt = _stream_tile(d_base, n0 + BLOCK_N, d_len, sd_l, dim, n0 + BLOCK_N < d_len, BLOCK_N, BLOCK_K)
         m2, a2, any_valid = _scan_tile(
             qt, q_rows, row_ok, d_base, dm_doc, inv_doc, n0, d_len, dim, sd_l, sdm_l, sid_l, m2, a2,
-            any_valid, BLOCK_N, BLOCK_K, NUM_K, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX,
-            DOT_PRECISION, UPCAST, EARLY_NORMS,
+            any_valid, dt_pre, BLOCK_N, BLOCK_K, NUM_K, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX,
+            DOT_PRECISION, UPCAST, EARLY_NORMS, STREAM_D,
         )  # fmt: skip
     row_val, a, _live = _finish_rows(
         m2, a2, tl.cdiv(d_len, BLOCK_N) * BLOCK_N, any_valid, qt, q_rows, iq_base + t * siq_l, row_ok, dim,
@@ -223,7 +256,7 @@ def maxsim_fwd_kernel(
     Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr,
     HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr, NORMALIZE: tl.constexpr, SAVE_ARGMAX: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PERSIST: tl.constexpr, NORMS_GIVEN: tl.constexpr,
-    EARLY_NORMS: tl.constexpr,
+    EARLY_NORMS: tl.constexpr, STREAM_D: tl.constexpr,
 ):  # fmt: skip
     """Scores ``OUT [n_rsplit, Nq, K]`` and argmax ``ARG [Nq, K, Lq]``; a pair list runs as ``Nq = 1``, ``K`` =
     number of pairs, query and document of pair ``k`` read from ``PQ[k]``, ``PD[k]``.
@@ -235,6 +268,9 @@ def maxsim_fwd_kernel(
     one query's candidates; ``rows_per_prog <= TQ``, ``NUM_K == 1``) in one flattened tile loop: its queries are
     loaded once, and the tile pipeline runs on across document boundaries instead of draining and refilling per
     document.
+
+    ``STREAM_D`` (``NUM_K == 1``, no document mask): every document tile is read by this program only; it is
+    loaded one tile ahead with an evict-first hint (``_stream_tile``).
 
     Every program holds one block of ``rows_per_prog <= TQ`` query rows (``rs``-th of ``n_rsplit``)."""
     BLOCK_M: tl.constexpr = BQ * TQ
@@ -276,14 +312,20 @@ def maxsim_fwd_kernel(
         m2 = tl.full([BLOCK_M, BLOCK_N], float("-inf"), dtype=tl.float32)
         a2 = _argmax_slots(BLOCK_M, BLOCK_N, SAVE_ARGMAX)
         any_valid = tl.zeros([BLOCK_N], dtype=tl.int32)
+        dt = _first_tile(D + b * sd_b + k_lo * sd_k, Ld, sd_l, dim, n_it > 0, BLOCK_N, BLOCK_K, STREAM_D)
         for it in range(0, n_it):
             k = k_lo + it // n_tiles
             n0 = (it % n_tiles) * BLOCK_N
+            dt_pre = dt
+            if STREAM_D:  # the next tile (of this document or the next one) in flight during this one's MMA
+                d_next = D + b * sd_b + (k_lo + (it + 1) // n_tiles) * sd_k
+                n_next = ((it + 1) % n_tiles) * BLOCK_N
+                dt = _stream_tile(d_next, n_next, Ld, sd_l, dim, it + 1 < n_it, BLOCK_N, BLOCK_K)
             m2, a2, any_valid = _scan_tile(
                 qt, q_rows, row_ok, D + b * sd_b + k * sd_k, DM + b * sdm_b + k * sdm_k, INV_D + b * sid_b + k * sid_k,
-                n0, Ld, dim, sd_l, sdm_l, sid_l, m2, a2, any_valid,
+                n0, Ld, dim, sd_l, sdm_l, sid_l, m2, a2, any_valid, dt_pre,
                 BLOCK_N, BLOCK_K, NUM_K, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX, DOT_PRECISION, UPCAST,
-                EARLY_NORMS,
+                EARLY_NORMS, STREAM_D,
             )  # fmt: skip
             if n0 + BLOCK_N >= Ld:  # the document's last tile: its scores, then a fresh running max
                 row_val, a, _live = _finish_rows(
@@ -322,7 +364,7 @@ def maxsim_fwd_kernel(
                 r_lo, r, q_in, q_len, r_hi, q_out, QM, sqm_n, sqm_l, q_base, sq_l, iq_base, siq_l, d_base, dm_doc,
                 inv_doc, d_len, dim, sd_l, sdm_l, sid_l, ARG, K, kk, Lq,
                 TQ, BQ, BLOCK_N, BLOCK_K, NUM_K, HAS_QMASK, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX,
-                DOT_PRECISION, UPCAST, EARLY_NORMS,
+                DOT_PRECISION, UPCAST, EARLY_NORMS, STREAM_D,
             )  # fmt: skip
         if SAVE_ARGMAX:
             # Slots past the end of every query of the block: no token, argmax -1.

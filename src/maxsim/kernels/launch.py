@@ -17,7 +17,7 @@ from . import csr as csr_kernel
 from . import dd_gather
 from . import normalize as normalize_kernels
 from .backward import maxsim_bwd_kernel, maxsim_bwd_scatter_kernel
-from .configs import BackwardConfig, ForwardConfig, backward_config, forward_config
+from .configs import BackwardConfig, ForwardConfig, backward_config, forward_config, streaming_config
 from .forward import maxsim_fwd_kernel
 from .launcher import INTERPRETER, Launcher
 
@@ -77,6 +77,20 @@ PRENORM_UNSHARED = 1
 # How much faster one-document programs run than a persistent plan of one program per multiprocessor counts them
 # (two stay resident; see forward). Fitted to the H100 measurements there: any value in (1.13, 1.8) orders them.
 ONE_DOC_GAIN = 1.3
+# Document tiles that one program alone reads (one thin block of query rows against shared documents, or each
+# query's own candidates), 16-bit, one dim chunk, no mask, are loaded into registers one tile ahead with an
+# evict-first hint (forward.py's STREAM_D) instead of by the pipeliner's asynchronous copies, which drop the hint:
+# the scan then replaces its own lines in the L2, not the lines other kernels left there (dirty ones cost a
+# write-back in the middle of the scan). The register loop sustains a little less bandwidth than the pipelined one,
+# so this pays where the scan's bytes are between STREAM_L2_RANGE times the L2's size. H100 under do_bench's flush
+# (which leaves the L2 dirty), in-process (docs/performance.md v38): 1x1000 Lq32 Ld300 42.0 -> 36.8 us, candidates
+# 32x50 Ld180 39.9 -> 37.8, candidates 32x100 Ld256 85.8 -> 83.9, 1x1000 Ld1024 dim 48 49.3 -> 44.7, 1x1000 Ld1024
+# 102.0 -> 100.7; beyond: 1x4000 Ld1024 dim 64 (524 MB) 181.4 -> 187.7, 1x10000 Ld300 (768 MB) 264.2 -> 271.2;
+# below: candidates 32x7 dim 48 (7 MB) 10.1 -> 11.1; 256-row blocks (7x1000 dim 96, 8 queries packed) 60.0 -> 68.8.
+# Training forwards (the argmax loop) keep the pipelined loop: GPU time of the forward, candidates 64x32 Ld180
+# 42.7 -> 43.6 us, pairs 512 Ld300 23.0 -> 25.1 us, candidates 256x16 Ld300 124.4 -> 126.9 us.
+STREAM_ONCE_READ = 1
+STREAM_L2_RANGE = (0.5, 7.0)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -168,6 +182,20 @@ _sm_counts: dict[int, int] = {}
 _INTERPRETER_SMS = 1
 
 
+_l2_sizes: dict[int, int] = {}
+
+
+def _l2_bytes(device: torch.device) -> int:
+    """The L2 cache's size (an H100's 50 MiB where there is no GPU: the interpreter)."""
+    if device.type != "cuda":
+        return 50 << 20
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    n = _l2_sizes.get(idx)
+    if n is None:
+        n = _l2_sizes[idx] = torch.cuda.get_device_properties(idx).L2_cache_size
+    return n
+
+
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return _INTERPRETER_SMS
@@ -247,7 +275,7 @@ def forward_keeping_norms(
             Q.device, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype,
             None if q_mask is None else q_mask.stride(), None if d_mask is None else d_mask.stride(),
             normalize, need_argmax, torch.get_float32_matmul_precision(), _ragged_key(rg), PRENORM_MIN_ROW_BLOCKS,
-            PRENORM_MIN_QUERY_BLOCKS, PRENORM_UNSHARED,
+            PRENORM_MIN_QUERY_BLOCKS, PRENORM_UNSHARED, STREAM_ONCE_READ, STREAM_L2_RANGE,
         )  # fmt: skip
         plan = _plans.get(key)
         if plan is not None:
@@ -262,7 +290,11 @@ def forward_keeping_norms(
     Q, D = _last_dim_contiguous(Q), _last_dim_contiguous(D)
     sg = _segs(Q, D, rg)
     shared = Bd == 1 and not sg.pairs
+    from_table = cfg is None
     cfg = cfg or forward_config(Lq, dim, Nq, shared)
+    stream = not need_argmax and _streams(sg, shared, triton_cdiv(Nq, cfg.BQ), triton_cdiv(Lq, cfg.TQ), cfg, D, d_mask)
+    if stream and from_table:
+        cfg = streaming_config(cfg)
     sqm = (0, 0) if q_mask is None else q_mask.stride()
     sdm = (0, 0, 0) if d_mask is None else ((0 if shared else d_mask.stride(0)),) + d_mask.stride()[1:]
     n_qblocks = triton_cdiv(Nq, cfg.BQ)
@@ -303,6 +335,7 @@ def forward_keeping_norms(
             PERSIST=docs_per_prog > 1, NORMS_GIVEN=norms_given,
             # (a split query's scores-only loop ran 5 % slower with the early load: ColPali 357 -> 376 us)
             EARLY_NORMS=norms_given and (need_argmax or n_rsplit == 1),
+            STREAM_D=stream,
         ),
         cfg.num_warps,
         cfg.num_stages,
@@ -314,6 +347,21 @@ def forward_keeping_norms(
             _plans.clear()
         _plans[key] = plan
     return _run_forward(plan, Q, D, q_mask, d_mask, sg, need_argmax)
+
+
+def _streams(
+    sg: _Segs, shared: bool, n_qblocks: int, n_rsplit: int, cfg: ForwardConfig, D: Tensor, d_mask: Tensor | None
+) -> bool:  # fmt: skip
+    """Whether the forward scans ``D`` in its ``STREAM_D`` loop (see ``STREAM_ONCE_READ``): every document tile is
+    read by one program alone (a shared document by the only block of query rows, a query's own candidate by its
+    only row split; a pair list may name a document twice), 16-bit tokens in one dim chunk (the loop keeps two
+    tiles in registers), no document mask, thin row blocks, and a scan of STREAM_L2_RANGE times the L2's size."""
+    readers = n_qblocks * n_rsplit if shared else n_rsplit
+    if not STREAM_ONCE_READ or readers != 1 or sg.pairs or d_mask is not None or D.element_size() != 2:
+        return False
+    lo, hi = STREAM_L2_RANGE
+    nbytes = D.numel() * D.element_size()
+    return cfg.NUM_K == 1 and cfg.BQ * cfg.TQ <= 32 and lo <= nbytes / _l2_bytes(D.device) <= hi
 
 
 def _run_forward(

@@ -1,0 +1,137 @@
+"""The forward's streaming tile loop (``STREAM_D``: document tiles read by one program alone, prefetched into
+registers with an evict-first hint) computes exactly what the pipelined loop computes, bit for bit, and is chosen
+only where launch.py's rule says (see ``launch.STREAM_ONCE_READ``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from helpers import INTERPRET, int_grid, randn
+
+from maxsim import maxsim, maxsim_varlen, reference, set_backend
+from maxsim.kernels import launch, launcher
+from maxsim.kernels.configs import forward_config
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() or INTERPRET), reason="Triton kernels: a GPU or TRITON_INTERPRET=1"
+)
+
+# (the interpreter's bf16 dot is unreliable: fp16 is the 16-bit type there)
+DTYPE = torch.bfloat16 if torch.cuda.is_available() and not INTERPRET else torch.float16
+
+
+@pytest.fixture
+def any_size(monkeypatch):
+    """Streaming allowed for scans of any size (the rule's byte range would exclude every small test shape)."""
+    monkeypatch.setattr(launch, "STREAM_L2_RANGE", (0.0, math.inf))
+    launch._plans.clear()
+    yield
+    launch._plans.clear()
+
+
+def _forward(Q, D, normalize, argmax, stream: int, cfg=None, monkeypatch=None, rg=None):
+    monkeypatch.setattr(launch, "STREAM_ONCE_READ", stream)
+    launch._plans.clear()
+    return launch.forward(Q, D, None, None, normalize, argmax, rg, cfg=cfg)
+
+
+def _assert_bitwise(a, b):
+    torch.testing.assert_close(a[0], b[0], rtol=0, atol=0, equal_nan=True)
+    if a[1] is not None:
+        assert torch.equal(a[1], b[1])
+
+
+CASES = {
+    # name: (Q shape, D shape): one query against shared documents, or each query against its own candidates
+    "one query, partial last tile": ((1, 9, 64), (1, 7, 45, 64)),
+    "one query, documents of one token": ((1, 5, 32), (1, 4, 1, 32)),
+    "candidates": ((3, 12, 32), (3, 4, 70, 32)),
+}
+
+
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalized"])
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_streaming_matches_pipelined_loop(case, normalize, device, monkeypatch, any_size):
+    q_shape, d_shape = CASES[case]
+    # Integer data: exact ties everywhere (the lowest index must win in both loops); one NaN token.
+    Q = int_grid(q_shape, seed=1, dtype=DTYPE, device=device)
+    D = int_grid(d_shape, seed=2, dtype=DTYPE, device=device)
+    D[0, -1, 0, 0] = float("nan")
+    table = forward_config(q_shape[1], q_shape[2], q_shape[0], d_shape[0] == 1)
+    for cfg in (None, dataclasses.replace(table, persist=0), dataclasses.replace(table, persist=2)):
+        monkeypatch.setattr(launch, "_sm_count", lambda device: 1)  # (persist=2: programs walk several documents)
+        plain = _forward(Q, D, normalize, False, 0, cfg, monkeypatch)
+        streamed = _forward(Q, D, normalize, False, 1, cfg, monkeypatch)
+        _assert_bitwise(plain, streamed)
+        assert _stream_flags(monkeypatch, lambda cfg=cfg: launch.forward(Q, D, None, None, normalize, False, cfg=cfg))
+    assert torch.isnan(plain[0][0, -1])
+
+
+def test_streaming_varlen_with_empty_documents(device, monkeypatch, any_size):
+    """Packed documents of one query, two of them empty (their first tile is never read), against the reference."""
+    set_backend("triton")  # (CPU tensors under the interpreter; the conftest restores the backend)
+    lens = [5, 0, 33, 1, 0, 17]
+    cu_d = torch.tensor([0, *lens], device=device).cumsum(0).to(torch.int32)
+    cu_q = torch.tensor([0, 7], dtype=torch.int32, device=device)
+    Q = randn((7, 32), seed=3, dtype=DTYPE, device=device)
+    D = randn((sum(lens), 32), seed=4, dtype=DTYPE, device=device)
+    s = maxsim_varlen(Q, D, cu_q, cu_d, max_seqlen_q=7, max_seqlen_d=33)
+    assert _stream_flags(monkeypatch, lambda: maxsim_varlen(Q, D, cu_q, cu_d, max_seqlen_q=7, max_seqlen_d=33))
+    ref = reference.maxsim_varlen(Q.double(), D.double(), cu_q, cu_d)
+    torch.testing.assert_close(s.double(), ref, rtol=1e-3, atol=1e-3)
+    assert (s[0, [1, 4]] == 0).all()
+
+
+def _stream_flags(monkeypatch, call) -> list[bool]:
+    """The ``STREAM_D`` flag of every forward launch ``call`` makes (launches recorded, not run)."""
+    flags: list[bool] = []
+
+    def record(self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0):
+        if self.kernel.__name__ == "maxsim_fwd_kernel":
+            flags.append(constexprs["STREAM_D"])
+
+    with monkeypatch.context() as m:
+        m.setattr(launcher.Launcher, "__call__", record)
+        m.setattr(launch, "INTERPRETER", False)
+        launch._plans.clear()
+        with torch.no_grad():
+            call()
+        launch._plans.clear()
+    return flags
+
+
+@pytest.mark.parametrize(
+    "what, streams",
+    [
+        ("one query, shared documents", True),
+        ("candidates", True),
+        ("document mask", False),  # (masked tokens are not read at all by the pipelined loop)
+        ("fp32", False),  # (two fp32 tiles in registers spill)
+        ("several query blocks", False),  # (each tile is read by every block)
+        ("long query", False),  # (rows split over programs read each tile once per split)
+        ("default byte range", False),  # (a scan far below the L2's size)
+        ("training forward", False),  # (the argmax loop ran slower streamed)
+    ],
+)
+def test_streaming_chosen_where_the_rule_says(what, streams, monkeypatch):
+    if what != "default byte range":
+        monkeypatch.setattr(launch, "STREAM_L2_RANGE", (0.0, math.inf))
+    dtype = torch.float32 if what == "fp32" else torch.float16
+    Nq = 40 if what == "several query blocks" else 1
+    Lq = 200 if what == "long query" else 32
+    Q = torch.randn(Nq, Lq, 64, dtype=dtype)
+    D = torch.randn(Nq, 3, 50, 64, dtype=dtype) if what == "candidates" else torch.randn(6, 50, 64, dtype=dtype)
+    d_mask = torch.ones(D.shape[:-1], dtype=torch.bool) if what == "document mask" else None
+    if INTERPRET:
+        set_backend("triton")
+    else:
+        Q, D = Q.cuda(), D.cuda()
+        d_mask = None if d_mask is None else d_mask.cuda()
+    if what == "training forward":
+        flags = _stream_flags(monkeypatch, lambda: maxsim(Q, D, return_argmax=True))
+    else:
+        flags = _stream_flags(monkeypatch, lambda: maxsim(Q, D, d_mask=d_mask))
+    assert flags == [streams]
