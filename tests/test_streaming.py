@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from helpers import INTERPRET, int_grid, randn
+from helpers import INTERPRET, int_grid, rand_mask, randn
 
 from maxsim import maxsim, maxsim_varlen, reference, set_backend
 from maxsim.kernels import launch, launcher
@@ -25,17 +25,19 @@ DTYPE = torch.bfloat16 if torch.cuda.is_available() and not INTERPRET else torch
 
 @pytest.fixture
 def any_size(monkeypatch):
-    """Streaming allowed for scans of any size (the rule's byte range would exclude every small test shape)."""
+    """Streaming allowed for scans of any size and masked tiles of any width (the rule would exclude every small
+    test shape)."""
     monkeypatch.setattr(launch, "STREAM_L2_RANGE", (0.0, math.inf))
+    monkeypatch.setattr(launch, "STREAM_MASKED_MIN_BLOCK_K", 0)
     launch._plans.clear()
     yield
     launch._plans.clear()
 
 
-def _forward(Q, D, normalize, argmax, stream: int, cfg=None, monkeypatch=None, rg=None):
+def _forward(Q, D, d_mask, normalize, stream: int, cfg, monkeypatch):
     monkeypatch.setattr(launch, "STREAM_ONCE_READ", stream)
     launch._plans.clear()
-    return launch.forward(Q, D, None, None, normalize, argmax, rg, cfg=cfg)
+    return launch.forward(Q, D, None, d_mask, normalize, False, cfg=cfg)
 
 
 def _assert_bitwise(a, b):
@@ -52,22 +54,32 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["no mask", "mask"])
 @pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalized"])
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_streaming_matches_pipelined_loop(case, normalize, device, monkeypatch, any_size):
+def test_streaming_matches_pipelined_loop(case, normalize, masked, device, monkeypatch, any_size):
     q_shape, d_shape = CASES[case]
     # Integer data: exact ties everywhere (the lowest index must win in both loops); one NaN token.
     Q = int_grid(q_shape, seed=1, dtype=DTYPE, device=device)
     D = int_grid(d_shape, seed=2, dtype=DTYPE, device=device)
     D[0, -1, 0, 0] = float("nan")
+    d_mask = None
+    if masked:  # holes, a fully masked document, and NaN/inf in masked tokens (never read)
+        d_mask = rand_mask(d_shape[:-1], seed=3, p_valid=0.6, device=device)
+        d_mask[0, -1, 0] = True
+        d_mask[0, 0] = False
+        D[0, 0, 0, 0] = float("nan")
+        D[-1, 1, d_mask[-1, 1].logical_not().nonzero()[:1, 0], 1] = float("inf")
     table = forward_config(q_shape[1], q_shape[2], q_shape[0], d_shape[0] == 1)
     for cfg in (None, dataclasses.replace(table, persist=0), dataclasses.replace(table, persist=2)):
         monkeypatch.setattr(launch, "_sm_count", lambda device: 1)  # (persist=2: programs walk several documents)
-        plain = _forward(Q, D, normalize, False, 0, cfg, monkeypatch)
-        streamed = _forward(Q, D, normalize, False, 1, cfg, monkeypatch)
+        plain = _forward(Q, D, d_mask, normalize, 0, cfg, monkeypatch)
+        streamed = _forward(Q, D, d_mask, normalize, 1, cfg, monkeypatch)
         _assert_bitwise(plain, streamed)
-        assert _stream_flags(monkeypatch, lambda cfg=cfg: launch.forward(Q, D, None, None, normalize, False, cfg=cfg))
+        assert _stream_flags(monkeypatch, lambda cfg=cfg: launch.forward(Q, D, None, d_mask, normalize, False, cfg=cfg))
     assert torch.isnan(plain[0][0, -1])
+    if masked:
+        assert plain[0][0, 0] == 0 and not torch.isinf(plain[0]).any()
 
 
 def test_streaming_varlen_with_empty_documents(device, monkeypatch, any_size):
@@ -108,7 +120,8 @@ def _stream_flags(monkeypatch, call) -> list[bool]:
     [
         ("one query, shared documents", True),
         ("candidates", True),
-        ("document mask", False),  # (masked tokens are not read at all by the pipelined loop)
+        ("document mask", True),
+        ("document mask, 64 dims", False),  # (tiles too short to hide the mask's latency)
         ("fp32", False),  # (two fp32 tiles in registers spill)
         ("several query blocks", False),  # (each tile is read by every block)
         ("long query", False),  # (rows split over programs read each tile once per split)
@@ -122,9 +135,10 @@ def test_streaming_chosen_where_the_rule_says(what, streams, monkeypatch):
     dtype = torch.float32 if what == "fp32" else torch.float16
     Nq = 40 if what == "several query blocks" else 1
     Lq = 200 if what == "long query" else 32
-    Q = torch.randn(Nq, Lq, 64, dtype=dtype)
-    D = torch.randn(Nq, 3, 50, 64, dtype=dtype) if what == "candidates" else torch.randn(6, 50, 64, dtype=dtype)
-    d_mask = torch.ones(D.shape[:-1], dtype=torch.bool) if what == "document mask" else None
+    dim = 128 if what == "document mask" else 64
+    Q = torch.randn(Nq, Lq, dim, dtype=dtype)
+    D = torch.randn(Nq, 3, 50, dim, dtype=dtype) if what == "candidates" else torch.randn(6, 50, dim, dtype=dtype)
+    d_mask = torch.ones(D.shape[:-1], dtype=torch.bool) if what.startswith("document mask") else None
     if INTERPRET:
         set_backend("triton")
     else:

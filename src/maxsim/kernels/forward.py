@@ -47,26 +47,44 @@ def _load_q_chunk(q_rows, row_ok, kc, dim, BLOCK_K: tl.constexpr, UPCAST: tl.con
 
 
 @triton.jit
-def _stream_tile(d_base, n0, d_len, sd_l, dim, live, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The document tile ``[n0, n0 + BLOCK_N)`` (rows past ``d_len`` read its last token; nothing where ``live`` is
-    false), loaded into registers as the first lines to leave the L2 (``evict_first``): no other program reads it,
-    and a pass over a corpus then replaces its own lines instead of the queries or lines another kernel left
-    dirty, whose write-back would take HBM bandwidth in the middle of the pass. (Triton drops the hint from the
-    asynchronous copies of its pipeliner, so these loads are plain ones, issued one tile ahead by the caller.)"""
+def _tile_ok(dm_doc, n0, d_len, sdm_l, BLOCK_N: tl.constexpr, HAS_DMASK: tl.constexpr):
+    """``[BLOCK_N]``: which columns of the tile ``[n0, n0 + BLOCK_N)`` hold a valid token (in the document and,
+    with a mask, unmasked)."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    ok = cols < d_len
+    if HAS_DMASK:
+        ok = ok & (tl.load(dm_doc + cols * sdm_l, mask=ok, other=0) != 0)
+    return ok
+
+
+@triton.jit
+def _stream_tile(
+    d_base, n0, d_len, sd_l, dim, live, ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_DMASK: tl.constexpr
+):  # fmt: skip
+    """The document tile ``[n0, n0 + BLOCK_N)``, loaded into registers as the first lines to leave the L2
+    (``evict_first``): no other program reads it, and a pass over a corpus then replaces its own lines instead of
+    the queries or lines another kernel left dirty, whose write-back would take HBM bandwidth in the middle of the
+    pass. (Triton drops the hint from the asynchronous copies of its pipeliner, so these loads are plain ones,
+    issued one tile ahead by the caller.) Nothing is read where ``live`` is false; with a mask, only the columns
+    ``ok`` (:func:`_tile_ok`); without one, rows past ``d_len`` read its last token (no row predicate)."""
     rows = tl.minimum(n0 + tl.arange(0, BLOCK_N), d_len - 1)
     kd = tl.arange(0, BLOCK_K)
     ptrs = d_base + rows[:, None] * sd_l + kd[None, :]
-    lim = dim * live.to(tl.int32)  # (a scalar folded into the column bound: no predicate of its own)
-    return tl.load(ptrs, mask=kd[None, :] < lim, other=0.0, eviction_policy="evict_first")
+    if HAS_DMASK:  # (masked tokens are not read: they may hold NaN/inf, and their bytes are not needed)
+        return tl.load(ptrs, mask=ok[:, None] & (kd[None, :] < dim), other=0.0, eviction_policy="evict_first")
+    else:
+        lim = dim * live.to(tl.int32)  # (a scalar folded into the column bound: no predicate of its own)
+        return tl.load(ptrs, mask=kd[None, :] < lim, other=0.0, eviction_policy="evict_first")
 
 
 @triton.jit
 def _first_tile(
-    d_base, d_len, sd_l, dim, live, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STREAM_D: tl.constexpr
+    d_base, d_len, sd_l, dim, live, ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_DMASK: tl.constexpr,
+    STREAM_D: tl.constexpr,
 ):  # fmt: skip
-    """The first tile a ``STREAM_D`` tile loop scans (nothing read unless ``live``); zeros, never read, otherwise."""
+    """The first tile a ``STREAM_D`` tile loop scans (:func:`_stream_tile`); zeros, never read, otherwise."""
     if STREAM_D:
-        return _stream_tile(d_base, 0, d_len, sd_l, dim, live, BLOCK_N, BLOCK_K)
+        return _stream_tile(d_base, 0, d_len, sd_l, dim, live, ok, BLOCK_N, BLOCK_K, HAS_DMASK)
     else:
         return tl.zeros([BLOCK_N, BLOCK_K], dtype=d_base.dtype.element_ty)
 
@@ -84,18 +102,20 @@ def _argmax_slots(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SAVE_ARGMAX: tl.
 @triton.jit
 def _scan_tile(
     qt, q_rows, row_ok, d_base, dm_doc, inv_doc, n0, d_len, dim, sd_l, sdm_l, sid_l, m2, a2, any_valid, dt_pre,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, HAS_DMASK: tl.constexpr,
+    ok_pre, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, HAS_DMASK: tl.constexpr,
     NORMALIZE: tl.constexpr, NORMS_GIVEN: tl.constexpr, SAVE_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, EARLY_NORMS: tl.constexpr, STREAM_D: tl.constexpr,
 ):  # fmt: skip
     """One document tile ``[n0, n0 + BLOCK_N)`` folded into the running max ``m2`` (and argmax ``a2``) of shape
     ``[rows, BLOCK_N]``; ``any_valid [BLOCK_N]`` remembers whether a column slot ever held a valid token.
-    ``STREAM_D`` (one dim chunk, no document mask): the tile is ``dt_pre``, loaded by the caller (``_stream_tile``)."""
+    ``STREAM_D`` (one dim chunk): the tile is ``dt_pre`` and its valid columns ``ok_pre``, loaded by the caller
+    (``_stream_tile``, ``_tile_ok``)."""
     cols = n0 + tl.arange(0, BLOCK_N)
     in_doc = cols < d_len
-    col_ok = in_doc
-    if HAS_DMASK:
-        col_ok = col_ok & (tl.load(dm_doc + cols * sdm_l, mask=in_doc, other=0) != 0)
+    if STREAM_D:  # noqa: SIM108 (a constexpr branch: the other side is not compiled)
+        col_ok = ok_pre
+    else:
+        col_ok = _tile_ok(dm_doc, n0, d_len, sdm_l, BLOCK_N, HAS_DMASK)
     s = tl.zeros([qt.shape[0], BLOCK_N], dtype=tl.float32)
     SUMSQ: tl.constexpr = NORMALIZE and not NORMS_GIVEN
     if SUMSQ:
@@ -212,14 +232,22 @@ def _row_block(
     m2 = tl.full([BLOCK_M, BLOCK_N], float("-inf"), dtype=tl.float32)
     a2 = _argmax_slots(BLOCK_M, BLOCK_N, SAVE_ARGMAX)
     any_valid = tl.zeros([BLOCK_N], dtype=tl.int32)
-    dt = _first_tile(d_base, d_len, sd_l, dim, d_len > 0, BLOCK_N, BLOCK_K, STREAM_D)
+    # STREAM_D: a tile's mask one tile ahead of its tokens, which are one tile ahead of their MMA.
+    MASK_AHEAD: tl.constexpr = HAS_DMASK and STREAM_D
+    ok = _tile_ok(dm_doc, 0, d_len, sdm_l, BLOCK_N, MASK_AHEAD)
+    dt = _first_tile(d_base, d_len, sd_l, dim, d_len > 0, ok, BLOCK_N, BLOCK_K, HAS_DMASK, STREAM_D)
+    ok_next = _tile_ok(dm_doc, BLOCK_N, d_len, sdm_l, BLOCK_N, MASK_AHEAD)
     for n0 in range(0, d_len, BLOCK_N):
-        dt_pre = dt
+        dt_pre, ok_pre = dt, ok
         if STREAM_D:  # the next tile's loads in flight during this one's MMA
-            dt = _stream_tile(d_base, n0 + BLOCK_N, d_len, sd_l, dim, n0 + BLOCK_N < d_len, BLOCK_N, BLOCK_K)
+            dt = _stream_tile(
+                d_base, n0 + BLOCK_N, d_len, sd_l, dim, n0 + BLOCK_N < d_len, ok_next, BLOCK_N, BLOCK_K, HAS_DMASK
+            )
+            ok = ok_next
+            ok_next = _tile_ok(dm_doc, n0 + 2 * BLOCK_N, d_len, sdm_l, BLOCK_N, MASK_AHEAD)
         m2, a2, any_valid = _scan_tile(
             qt, q_rows, row_ok, d_base, dm_doc, inv_doc, n0, d_len, dim, sd_l, sdm_l, sid_l, m2, a2,
-            any_valid, dt_pre, BLOCK_N, BLOCK_K, NUM_K, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX,
+            any_valid, dt_pre, ok_pre, BLOCK_N, BLOCK_K, NUM_K, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX,
             DOT_PRECISION, UPCAST, EARLY_NORMS, STREAM_D,
         )  # fmt: skip
     row_val, a, _live = _finish_rows(
@@ -269,8 +297,8 @@ def maxsim_fwd_kernel(
     loaded once, and the tile pipeline runs on across document boundaries instead of draining and refilling per
     document.
 
-    ``STREAM_D`` (``NUM_K == 1``, no document mask): every document tile is read by this program only; it is
-    loaded one tile ahead with an evict-first hint (``_stream_tile``).
+    ``STREAM_D`` (``NUM_K == 1``): every document tile is read by this program only; it is loaded one tile ahead
+    with an evict-first hint (``_stream_tile``), its mask two tiles ahead.
 
     Every program holds one block of ``rows_per_prog <= TQ`` query rows (``rs``-th of ``n_rsplit``)."""
     BLOCK_M: tl.constexpr = BQ * TQ
@@ -312,18 +340,29 @@ def maxsim_fwd_kernel(
         m2 = tl.full([BLOCK_M, BLOCK_N], float("-inf"), dtype=tl.float32)
         a2 = _argmax_slots(BLOCK_M, BLOCK_N, SAVE_ARGMAX)
         any_valid = tl.zeros([BLOCK_N], dtype=tl.int32)
-        dt = _first_tile(D + b * sd_b + k_lo * sd_k, Ld, sd_l, dim, n_it > 0, BLOCK_N, BLOCK_K, STREAM_D)
+        # STREAM_D: tile it + 2's mask and tile it + 1's tokens in flight during tile it's MMA (of this document
+        # or the next ones); a tile past the program's last one has no columns (nothing is read).
+        MASK_AHEAD: tl.constexpr = HAS_DMASK and STREAM_D
+        dm_row = DM + b * sdm_b + k_lo * sdm_k
+        ok = _tile_ok(dm_row, 0, tl.where(n_it > 0, Ld, 0), sdm_l, BLOCK_N, MASK_AHEAD)
+        dt = _first_tile(D + b * sd_b + k_lo * sd_k, Ld, sd_l, dim, n_it > 0, ok, BLOCK_N, BLOCK_K, HAS_DMASK, STREAM_D)
+        dm_next = dm_row + (1 // n_tiles) * sdm_k
+        ok_next = _tile_ok(dm_next, (1 % n_tiles) * BLOCK_N, tl.where(n_it > 1, Ld, 0), sdm_l, BLOCK_N, MASK_AHEAD)
         for it in range(0, n_it):
             k = k_lo + it // n_tiles
             n0 = (it % n_tiles) * BLOCK_N
-            dt_pre = dt
-            if STREAM_D:  # the next tile (of this document or the next one) in flight during this one's MMA
+            dt_pre, ok_pre = dt, ok
+            if STREAM_D:
                 d_next = D + b * sd_b + (k_lo + (it + 1) // n_tiles) * sd_k
                 n_next = ((it + 1) % n_tiles) * BLOCK_N
-                dt = _stream_tile(d_next, n_next, Ld, sd_l, dim, it + 1 < n_it, BLOCK_N, BLOCK_K)
+                dt = _stream_tile(d_next, n_next, Ld, sd_l, dim, it + 1 < n_it, ok_next, BLOCK_N, BLOCK_K, HAS_DMASK)
+                ok = ok_next
+                dm_next = dm_row + ((it + 2) // n_tiles) * sdm_k
+                n_next = ((it + 2) % n_tiles) * BLOCK_N
+                ok_next = _tile_ok(dm_next, n_next, tl.where(it + 2 < n_it, Ld, 0), sdm_l, BLOCK_N, MASK_AHEAD)
             m2, a2, any_valid = _scan_tile(
                 qt, q_rows, row_ok, D + b * sd_b + k * sd_k, DM + b * sdm_b + k * sdm_k, INV_D + b * sid_b + k * sid_k,
-                n0, Ld, dim, sd_l, sdm_l, sid_l, m2, a2, any_valid, dt_pre,
+                n0, Ld, dim, sd_l, sdm_l, sid_l, m2, a2, any_valid, dt_pre, ok_pre,
                 BLOCK_N, BLOCK_K, NUM_K, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX, DOT_PRECISION, UPCAST,
                 EARLY_NORMS, STREAM_D,
             )  # fmt: skip

@@ -78,7 +78,7 @@ PRENORM_UNSHARED = 1
 # (two stay resident; see forward). Fitted to the H100 measurements there: any value in (1.13, 1.8) orders them.
 ONE_DOC_GAIN = 1.3
 # Document tiles that one program alone reads (one thin block of query rows against shared documents, or each
-# query's own candidates), 16-bit, one dim chunk, no mask, are loaded into registers one tile ahead with an
+# query's own candidates), 16-bit, one dim chunk, are loaded into registers one tile ahead with an
 # evict-first hint (forward.py's STREAM_D) instead of by the pipeliner's asynchronous copies, which drop the hint:
 # the scan then replaces its own lines in the L2, not the lines other kernels left there (dirty ones cost a
 # write-back in the middle of the scan). The register loop sustains a little less bandwidth than the pipelined one,
@@ -89,8 +89,13 @@ ONE_DOC_GAIN = 1.3
 # below: candidates 32x7 dim 48 (7 MB) 10.1 -> 11.1; 256-row blocks (7x1000 dim 96, 8 queries packed) 60.0 -> 68.8.
 # Training forwards (the argmax loop) keep the pipelined loop: GPU time of the forward, candidates 64x32 Ld180
 # 42.7 -> 43.6 us, pairs 512 Ld300 23.0 -> 25.1 us, candidates 256x16 Ld300 124.4 -> 126.9 us.
+# With a document mask (v39: the mask of a tile is loaded a tile ahead of its tokens, whose loads it predicates):
+# 1x1000 Ld300 40.2 -> 38.2 us, candidates 32x50 40.5 -> 37.8, 32x100 86.0 -> 79.8 (prefix masks), but dim 48 in
+# 32-token tiles 48.9 -> 60.2 (a tile's work too short to hide the mask's latency): masked scans stream from
+# STREAM_MASKED_MIN_BLOCK_K dims up.
 STREAM_ONCE_READ = 1
 STREAM_L2_RANGE = (0.5, 7.0)
+STREAM_MASKED_MIN_BLOCK_K = 128
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -275,7 +280,7 @@ def forward_keeping_norms(
             Q.device, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype,
             None if q_mask is None else q_mask.stride(), None if d_mask is None else d_mask.stride(),
             normalize, need_argmax, torch.get_float32_matmul_precision(), _ragged_key(rg), PRENORM_MIN_ROW_BLOCKS,
-            PRENORM_MIN_QUERY_BLOCKS, PRENORM_UNSHARED, STREAM_ONCE_READ, STREAM_L2_RANGE,
+            PRENORM_MIN_QUERY_BLOCKS, PRENORM_UNSHARED, STREAM_ONCE_READ, STREAM_L2_RANGE, STREAM_MASKED_MIN_BLOCK_K,
         )  # fmt: skip
         plan = _plans.get(key)
         if plan is not None:
@@ -292,7 +297,9 @@ def forward_keeping_norms(
     shared = Bd == 1 and not sg.pairs
     from_table = cfg is None
     cfg = cfg or forward_config(Lq, dim, Nq, shared)
-    stream = not need_argmax and _streams(sg, shared, triton_cdiv(Nq, cfg.BQ), triton_cdiv(Lq, cfg.TQ), cfg, D, d_mask)
+    stream = not need_argmax and _streams(
+        sg, shared, triton_cdiv(Nq, cfg.BQ), triton_cdiv(Lq, cfg.TQ), cfg, D, d_mask is not None
+    )
     if stream and from_table:
         cfg = streaming_config(cfg)
     sqm = (0, 0) if q_mask is None else q_mask.stride()
@@ -350,17 +357,20 @@ def forward_keeping_norms(
 
 
 def _streams(
-    sg: _Segs, shared: bool, n_qblocks: int, n_rsplit: int, cfg: ForwardConfig, D: Tensor, d_mask: Tensor | None
+    sg: _Segs, shared: bool, n_qblocks: int, n_rsplit: int, cfg: ForwardConfig, D: Tensor, masked: bool
 ) -> bool:  # fmt: skip
     """Whether the forward scans ``D`` in its ``STREAM_D`` loop (see ``STREAM_ONCE_READ``): every document tile is
     read by one program alone (a shared document by the only block of query rows, a query's own candidate by its
     only row split; a pair list may name a document twice), 16-bit tokens in one dim chunk (the loop keeps two
-    tiles in registers), no document mask, thin row blocks, and a scan of STREAM_L2_RANGE times the L2's size."""
+    tiles in registers), thin row blocks, a document mask only with wide tiles (STREAM_MASKED_MIN_BLOCK_K), and a
+    scan of STREAM_L2_RANGE times the L2's size (masked tokens included: the mask is not read on the host)."""
     readers = n_qblocks * n_rsplit if shared else n_rsplit
-    if not STREAM_ONCE_READ or readers != 1 or sg.pairs or d_mask is not None or D.element_size() != 2:
+    if not STREAM_ONCE_READ or readers != 1 or sg.pairs or D.element_size() != 2:
         return False
     lo, hi = STREAM_L2_RANGE
     nbytes = D.numel() * D.element_size()
+    if masked and cfg.BLOCK_K < STREAM_MASKED_MIN_BLOCK_K:
+        return False
     return cfg.NUM_K == 1 and cfg.BQ * cfg.TQ <= 32 and lo <= nbytes / _l2_bytes(D.device) <= hi
 
 
