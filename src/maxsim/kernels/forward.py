@@ -112,10 +112,11 @@ def _scan_tile(
     (``_stream_tile``, ``_tile_ok``)."""
     cols = n0 + tl.arange(0, BLOCK_N)
     in_doc = cols < d_len
-    if STREAM_D:  # noqa: SIM108 (a constexpr branch: the other side is not compiled)
+    col_ok = in_doc
+    if STREAM_D:
         col_ok = ok_pre
-    else:
-        col_ok = _tile_ok(dm_doc, n0, d_len, sdm_l, BLOCK_N, HAS_DMASK)
+    elif HAS_DMASK:  # (written out, not _tile_ok: the call cost a masked persistent variant 12 registers)
+        col_ok = col_ok & (tl.load(dm_doc + cols * sdm_l, mask=in_doc, other=0) != 0)
     s = tl.zeros([qt.shape[0], BLOCK_N], dtype=tl.float32)
     SUMSQ: tl.constexpr = NORMALIZE and not NORMS_GIVEN
     if SUMSQ:
