@@ -160,7 +160,9 @@ def test_backward_plans_describe_every_call_exactly(monkeypatch):
 
     calls: list = []
 
-    def record(self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None):
+    def record(
+        self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0, foreign=None
+    ):
         calls.append((self.kernel.__name__, grid, tuple((t.shape, t.stride(), t.dtype) for t in tensors), ints,
                       tuple(constexprs.items()), num_warps))  # fmt: skip
 
@@ -220,3 +222,80 @@ def test_persistent_split_weighs_resident_one_document_programs():
     assert launch._docs_per_program(base, K, sms, 16, gain) == 1  # Ld 1024 in 64-token tiles
     assert launch._docs_per_program(base, K, sms, 2, gain) == 4  # Ld 128
     assert launch._docs_per_program(32, 256, sms, 5, gain) > 1  # 256 x 256, Ld 300
+
+
+def test_plan_cache_keys_on_foreign_tensors_only(fake_gpu):
+    """With ``foreign``, a plan cache is keyed by those tensors' alignments alone (the others are the caller's fresh
+    allocations); a misaligned foreign tensor still goes back through Triton."""
+    k = FakeKernel()
+    lc = launcher.Launcher(k)
+    cache: dict = {}
+    x, out = torch.zeros(32), torch.zeros(32)
+    for t in (x, x, x[1:]):
+        lc(3, (t, out), (16,), {"BLOCK": 32}, 4, 3, cache, foreign=(t,))
+    assert [e[0] for e in k.log] == ["triton", "direct", "triton"]
+    assert set(cache) == {(0, 0), (0, x[1:].data_ptr() & 15)}
+
+
+def _caller_layouts():
+    """(name, forward arguments after Q and D, upstream gradient) of every layout the launches see, with inputs the
+    caller owns: masks, offsets, lengths, pair ids, misaligned views, a strided gradient."""
+    from maxsim.layout import Ragged
+
+    Q, D = torch.randn(4, 6, 16), torch.randn(1, 5, 7, 16)
+    qm, dm = torch.rand(4, 6) > 0.3, torch.rand(1, 5, 7) > 0.3
+    cu_q, cu_d = torch.tensor([0, 2, 6, 9]), torch.tensor([0, 3, 7, 12, 13])
+    Qp, Dp = torch.randn(9, 16), torch.randn(13, 16)
+    pair = Ragged(cu_q, cu_d, torch.tensor([0, 2, 1, 2]), torch.tensor([3, 1, 1, 0]), 4, 5)
+    lengths = Ragged(torch.tensor([6, 2, 5, 1]), torch.tensor([[7, 3, 0, 5, 1]]), None, None, 6, 7)
+    return [
+        ("cross", (Q, D, None, None, False, None), None),
+        ("masks, normalize", (Q, D, qm, dm, True, None), torch.ones(()).expand(4, 5)),
+        (
+            "misaligned",
+            (torch.randn(97)[1:].view(4, 6, 4), torch.randn(141)[1:].view(1, 5, 7, 4), None, None, False, None),
+            torch.randn(5, 4).t(),
+        ),  # fmt: skip
+        ("candidates", (Q, torch.randn(4, 3, 7, 16), None, torch.rand(4, 3, 7) > 0.3, True, None), None),
+        ("pair list", (Qp, Dp, None, None, False, pair), None),
+        ("packed", (Qp, Dp, None, None, True, Ragged(cu_q, cu_d, None, None, 4, 5)), None),
+        ("lengths", (Q, D, None, None, False, lengths), None),
+    ]
+
+
+@pytest.mark.parametrize("name, args, grad", _caller_layouts(), ids=[c[0] for c in _caller_layouts()])
+@pytest.mark.parametrize("mode", ["fast", "deterministic"])
+def test_launches_name_every_caller_tensor_foreign(monkeypatch, name, args, grad, mode):
+    """Every pointer a planned launch passes outside its ``foreign`` tensors is an allocation of this call: a
+    caller's tensor left out would be assumed 16-byte aligned, and a misaligned one would run a variant compiled
+    for aligned pointers."""
+    from maxsim import ops
+    from maxsim.kernels import launch
+
+    launches: list = []
+
+    def record(self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0,
+               foreign=None):  # fmt: skip
+        launches.append((self.kernel.__name__, tensors, plan_cache, foreign))
+
+    monkeypatch.setattr(launcher.Launcher, "__call__", record)
+    monkeypatch.setattr(launch, "INTERPRETER", False)
+    Q, D, q_mask, d_mask, normalize, rg = args
+    launch._plans.clear()
+    launch._bplans.clear()
+    scores, argmax, norms = ops.forward_impl(Q, D, q_mask, d_mask, normalize, True, "triton", rg)
+    argmax.zero_()  # (the launches were not run)
+    g = torch.randn(scores.shape) if grad is None else grad
+    ops.backward_impl(g, Q, D, argmax, normalize, mode == "deterministic", "triton", rg, norms)
+    launch._plans.clear()
+    launch._bplans.clear()
+    caller = [Q, D, q_mask, d_mask, g, *(() if rg is None else rg[:4])]
+    owned = {t.untyped_storage().data_ptr() for t in caller if t is not None}
+    planned = [(n, tensors, foreign) for n, tensors, cache, foreign in launches if cache is not None]
+    assert {n for n, *_ in planned} >= {"maxsim_fwd_kernel", "maxsim_bwd_kernel"}
+    for kernel, tensors, foreign in planned:
+        assert foreign is not None, kernel
+        named = {id(t) for t in foreign}
+        for i, t in enumerate(tensors):
+            if id(t) not in named:
+                assert t.untyped_storage().data_ptr() not in owned, (kernel, i)

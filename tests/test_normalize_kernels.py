@@ -110,7 +110,9 @@ def test_backward_programs_project_the_rows_they_hold(case, fused_q, fused_d, mo
 
     launches: list = []
 
-    def record(self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0):
+    def record(
+        self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0, foreign=None
+    ):
         launches.append((self.kernel.__name__, constexprs))
 
     monkeypatch.setattr(launcher.Launcher, "__call__", record)
@@ -165,7 +167,9 @@ def test_forward_reads_inverse_norms_from_a_pre_pass(layout, Lq, normalize, give
 
     launches: list = []
 
-    def record(self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0):
+    def record(
+        self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0, foreign=None
+    ):
         launches.append((self.kernel.__name__, constexprs))
 
     monkeypatch.setattr(launcher.Launcher, "__call__", record)

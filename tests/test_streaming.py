@@ -101,7 +101,9 @@ def _stream_flags(monkeypatch, call) -> list[bool]:
     """The ``STREAM_D`` flag of every forward launch ``call`` makes (launches recorded, not run)."""
     flags: list[bool] = []
 
-    def record(self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0):
+    def record(
+        self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0, foreign=None
+    ):
         if self.kernel.__name__ == "maxsim_fwd_kernel":
             flags.append(constexprs["STREAM_D"])
 

@@ -75,8 +75,10 @@ def maxsim(
                 f"D: expected D.shape[0] == Nq = {Q.shape[0]} for per-query candidates [Nq, K, Ld, dim], got "
                 f"shape {tuple(D.shape)}"
             )
-    q_mask = validate.mask("q_mask", q_mask, Q.shape[:-1], Q.device)
-    d_mask = validate.mask("d_mask", d_mask, D.shape[:-1], Q.device)
+    if q_mask is not None:  # (shapes and devices cost host time; most calls have no masks)
+        validate.mask("q_mask", q_mask, Q.shape[:-1], Q.device)
+    if d_mask is not None:
+        validate.mask("d_mask", d_mask, D.shape[:-1], Q.device)
     validate.flag("return_argmax", return_argmax)
     return _run(Q, D, canonical_dense(Q, D, q_mask, d_mask), normalize, backward, return_argmax)
 
@@ -118,7 +120,9 @@ def maxsim_pairs(
     validate.backward_mode(backward)
     if D.shape[0] != Q.shape[0]:
         raise ValueError(f"D: expected as many documents as queries (B = {Q.shape[0]}), got shape {tuple(D.shape)}")
-    q_mask = validate.mask("q_mask", q_mask, Q.shape[:-1], Q.device)
-    d_mask = validate.mask("d_mask", d_mask, D.shape[:-1], Q.device)
+    if q_mask is not None:  # (shapes and devices cost host time; most calls have no masks)
+        validate.mask("q_mask", q_mask, Q.shape[:-1], Q.device)
+    if d_mask is not None:
+        validate.mask("d_mask", d_mask, D.shape[:-1], Q.device)
     validate.flag("return_argmax", return_argmax)
     return _run(Q, D, canonical_pairs(Q, D, q_mask, d_mask), normalize, backward, return_argmax)

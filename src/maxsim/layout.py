@@ -71,6 +71,14 @@ def view_as_canonical(x: Tensor, axes: tuple[int, ...]) -> Tensor:
     return x
 
 
+def view_as_given(x: Tensor, axes: tuple[int, ...]) -> Tensor:
+    """The inverse of :func:`view_as_canonical` (a gradient back in its input's shape): ``squeeze`` of the inserted
+    unit axes, ~1 µs of host time each against ~2.5 for a ``view`` to a shape."""
+    for a in reversed(axes):
+        x = x.squeeze(a)
+    return x
+
+
 class Ragged(NamedTuple):
     """Where ragged sequences live, on top of the canonical form (all tensors on the data's device):
 

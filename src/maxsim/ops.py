@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from . import cpu, cpu_ragged
-from .layout import Ragged, Views, accum_dtype, dims, view_as_canonical
+from .layout import Ragged, Views, accum_dtype, dims, view_as_canonical, view_as_given
 
 _launch = None
 
@@ -178,17 +178,19 @@ torch.library.register_autograd("maxsim::forward", _backward, setup_context=_set
 
 
 class _MaxSimFunction(torch.autograd.Function):
-    """Eager twin of ``maxsim::forward`` + its registered autograd (same implementation functions)."""
+    """Eager twin of ``maxsim::forward`` + its registered autograd (same implementation functions).
+
+    ``apply(Q, D, call)``, ``call = (q_mask, d_mask, normalize, impl, deterministic, rg, views)``: one argument
+    for what autograd need not look at (each argument of ``apply`` costs host time, twice: in and out)."""
 
     @staticmethod
-    def forward(ctx, Q, D, q_mask, d_mask, normalize, impl, deterministic, rg, views):
-        ctx.shapes = (Q.shape, D.shape)
+    def forward(ctx, Q, D, call):
+        q_mask, d_mask, normalize, impl, _deterministic, rg, views = call
         if views is not None:
             Q, D = _in_views(Q, D, views)
         scores, argmax, norms = forward_impl(Q, D, q_mask, d_mask, normalize, True, impl, rg)
         ctx.save_for_backward(Q, D, argmax, *(norms or ()))
-        ctx.normalize, ctx.impl, ctx.deterministic, ctx.rg, ctx.grid = normalize, impl, deterministic, rg, scores.shape
-        ctx.views = views
+        ctx.call, ctx.grid = call[2:], scores.shape  # (not the masks: the backward does not need them alive)
         # No zero-filled gradient for the (non-differentiable) argmax output: one allocation and fill fewer per step.
         ctx.set_materialize_grads(False)
         if views is not None:
@@ -199,17 +201,14 @@ class _MaxSimFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_scores, _grad_argmax):
         if grad_scores is None:
-            return (None,) * 9
+            return None, None, None
         Q, D, argmax, *norms = ctx.saved_tensors
-        grad = grad_scores if ctx.views is None or ctx.views.out is None else grad_scores.view(ctx.grid)
-        dQ, dD = backward_impl(
-            grad, Q, D, argmax, ctx.normalize, ctx.deterministic, ctx.impl, ctx.rg, tuple(norms) or None
-        )
-        if ctx.views is not None:
-            q_shape, d_shape = ctx.shapes
-            dQ = dQ.view(q_shape) if ctx.views.q else dQ
-            dD = dD.view(d_shape) if ctx.views.d else dD
-        return dQ, dD, None, None, None, None, None, None, None
+        normalize, impl, deterministic, rg, views = ctx.call
+        grad = grad_scores if views is None or views.out is None else grad_scores.view(ctx.grid)
+        dQ, dD = backward_impl(grad, Q, D, argmax, normalize, deterministic, impl, rg, tuple(norms) or None)
+        if views is not None:
+            dQ, dD = view_as_given(dQ, views.q), view_as_given(dD, views.d)
+        return dQ, dD, None
 
 
 def _in_views(Q: Tensor, D: Tensor, views: Views) -> tuple[Tensor, Tensor]:
@@ -241,7 +240,7 @@ def maxsim_canonical(
     need_grad = torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)
     compiling = torch.compiler.is_compiling()
     if need_grad and not compiling:
-        out = _MaxSimFunction.apply(Q, D, q_mask, d_mask, normalize, impl, deterministic, rg, views)
+        out = _MaxSimFunction.apply(Q, D, (q_mask, d_mask, normalize, impl, deterministic, rg, views))
         return out if return_argmax else out[0]
     if views is not None:
         Q, D = _in_views(Q, D, views)

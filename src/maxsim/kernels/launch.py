@@ -390,7 +390,18 @@ def _run_forward(
     arg = scores if argmax is None else argmax
     norms = normalize_kernels.inverse_norms(Q, D) if plan.norms_given else None
     tensors = (Q, D, qm, dm, *segs, out, arg, *(norms or (Q, D)))  # (Q, D: unused pointers)
-    _fwd(plan.grid, tensors, plan.ints, plan.constexprs, plan.num_warps, plan.num_stages, plan.launches, plan.maxnreg)
+    foreign = (Q, D) if sg is None and q_mask is None and d_mask is None else (Q, D, qm, dm, *segs)
+    _fwd(
+        plan.grid,
+        tensors,
+        plan.ints,
+        plan.constexprs,
+        plan.num_warps,
+        plan.num_stages,
+        plan.launches,
+        plan.maxnreg,
+        foreign=foreign,
+    )
     if n_rsplit > 1:
         torch.sum(out, dim=0, out=scores)
     return scores, argmax, norms
@@ -576,13 +587,9 @@ def backward(
     ``norms``: the inverse norms the forward computed (:func:`forward_keeping_norms`), else computed here.
 
     Calls reuse a plan keyed by shapes, strides, dtypes and flags (never values), like the forward."""
-    Nq, Lq, Bd, K, Ld, dim = dims(Q, D, rg)
-    if Nq == 0 or K == 0 or Lq == 0 or Ld == 0:
-        return torch.zeros_like(Q), torch.zeros_like(D)
     Q, D = _last_dim_contiguous(Q), _last_dim_contiguous(D)
     if grad.dtype != torch.float32:
         grad = grad.to(torch.float32)
-    sg = _segs(Q, D, rg)
     key = (
         Q.device, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype, grad.shape, grad.stride(),
         normalize, deterministic, torch.get_float32_matmul_precision(), _ragged_key(rg), PAIR_SCAN_MAX_WORK,
@@ -590,7 +597,10 @@ def backward(
     )  # fmt: skip
     plan = _bplans.get(key)
     if plan is None:
-        plan = _backward_plan(grad, Q, D, normalize, deterministic, rg, sg)
+        Nq, Lq, Bd, K, Ld, dim = dims(Q, D, rg)
+        if Nq == 0 or K == 0 or Lq == 0 or Ld == 0:
+            return torch.zeros_like(Q), torch.zeros_like(D)
+        plan = _backward_plan(grad, Q, D, normalize, deterministic, rg, _segs(Q, D, rg))
         if len(_bplans) >= _MAX_PLANS:
             _bplans.clear()
         _bplans[key] = plan
@@ -600,7 +610,11 @@ def backward(
         inv_q, inv_d = normalize_kernels.inverse_norms(Q, D) if norms is None else norms
     else:
         inv_q = inv_d = grad  # unused pointers
-    segs = (sg.qseg, sg.dseg, sg.pq, sg.pd)
+    if rg is None:
+        segs = (Q, Q, Q, Q)  # (unused pointers)
+    else:
+        sg = _segs(Q, D, rg)
+        segs = (sg.qseg, sg.dseg, sg.pq, sg.pd)
     nw = plan.num_warps
     if plan.dq_scatter:
         dQ = torch.zeros(Q.shape, dtype=torch.float32, device=Q.device)
@@ -618,7 +632,8 @@ def backward(
     if grid:
         tensors = (grad, argmax, Q, D, inv_q, inv_d, dQ, grad if gd is None else gd, *segs, q_off, q_order, d_off,
                    d_order)  # fmt: skip
-        _bwd(grid, tensors, ints, constexprs, nw, 3, plan.launches)
+        foreign = (grad, argmax, Q, D) if rg is None and not normalize else (grad, argmax, Q, D, inv_q, inv_d, *segs)
+        _bwd(grid, tensors, ints, constexprs, nw, 3, plan.launches, foreign=foreign)
     if plan.dd_sorted:
         _sorted_dd(plan.dd_sorted, grad, Q, D, inv_q, argmax, gd)
     if gd is None:
