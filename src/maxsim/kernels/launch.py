@@ -144,8 +144,30 @@ def _ragged_key(rg: Ragged | None) -> tuple | None:
     (never their values), and the maximum lengths."""
     if rg is None:
         return None
-    tensors = (rg.q_seg, rg.d_seg, rg.pair_q, rg.pair_d)
-    return tuple(None if t is None else (t.shape, t.stride(), t.dtype) for t in tensors) + (rg.max_q, rg.max_d)
+    q, d, pq, pd = rg.q_seg, rg.d_seg, rg.pair_q, rg.pair_d
+    # (written out: a generator here cost a pair-list step ~3 µs of host time)
+    return (
+        None if q is None else (q.shape, q.stride(), q.dtype),
+        None if d is None else (d.shape, d.stride(), d.dtype),
+        None if pq is None else (pq.shape, pq.stride(), pq.dtype),
+        None if pd is None else (pd.shape, pd.stride(), pd.dtype),
+        rg.max_q,
+        rg.max_d,
+    )
+
+
+def _seg_tensors(Q: Tensor, rg: Ragged | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The kernels' four segment pointers (:class:`_Segs`' ``qseg, dseg, pq, pd``) without the rest of it: what a
+    call on a cached plan needs."""
+    if rg is None:
+        return Q, Q, Q, Q
+    pairs = rg.pair_q is not None
+    return (
+        Q if rg.q_seg is None else rg.q_seg,
+        Q if rg.d_seg is None else rg.d_seg,
+        rg.pair_q if pairs else Q,
+        rg.pair_d if pairs else Q,
+    )
 
 
 def _segs(Q: Tensor, D: Tensor, rg: Ragged | None) -> _Segs:
@@ -284,7 +306,7 @@ def forward_keeping_norms(
         )  # fmt: skip
         plan = _plans.get(key)
         if plan is not None:
-            return _run_forward(plan, Q, D, q_mask, d_mask, None if rg is None else _segs(Q, D, rg), need_argmax)
+            return _run_forward(plan, Q, D, q_mask, d_mask, _seg_tensors(Q, rg), need_argmax)
     Nq, Lq, Bd, K, Ld, dim = dims(Q, D, rg)
     if Nq == 0 or K == 0 or Lq == 0 or Ld == 0:
         scores = torch.zeros((Nq, K), dtype=torch.float32, device=Q.device)
@@ -353,7 +375,7 @@ def forward_keeping_norms(
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         _plans[key] = plan
-    return _run_forward(plan, Q, D, q_mask, d_mask, sg, need_argmax)
+    return _run_forward(plan, Q, D, q_mask, d_mask, (sg.qseg, sg.dseg, sg.pq, sg.pd), need_argmax)
 
 
 def _streams(
@@ -375,7 +397,7 @@ def _streams(
 
 
 def _run_forward(
-    plan: _ForwardPlan, Q: Tensor, D: Tensor, q_mask: Tensor | None, d_mask: Tensor | None, sg: _Segs | None,
+    plan: _ForwardPlan, Q: Tensor, D: Tensor, q_mask: Tensor | None, d_mask: Tensor | None, segs: tuple,
     need_argmax: bool,
 ) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor] | None]:  # fmt: skip
     device = Q.device
@@ -386,11 +408,11 @@ def _run_forward(
     out = scores if n_rsplit == 1 else torch.empty((n_rsplit, plan.Nq, plan.K), dtype=torch.float32, device=device)
     qm = Q if q_mask is None else q_mask.view(torch.uint8)
     dm = Q if d_mask is None else d_mask.view(torch.uint8)
-    segs = (Q, Q, Q, Q) if sg is None else (sg.qseg, sg.dseg, sg.pq, sg.pd)
     arg = scores if argmax is None else argmax
     norms = normalize_kernels.inverse_norms(Q, D) if plan.norms_given else None
     tensors = (Q, D, qm, dm, *segs, out, arg, *(norms or (Q, D)))  # (Q, D: unused pointers)
-    foreign = (Q, D) if sg is None and q_mask is None and d_mask is None else (Q, D, qm, dm, *segs)
+    dense = q_mask is None and d_mask is None and segs[0] is segs[1] is segs[2] is segs[3] is Q
+    foreign = (Q, D) if dense else (Q, D, qm, dm, *segs)
     _fwd(
         plan.grid,
         tensors,
@@ -610,11 +632,7 @@ def backward(
         inv_q, inv_d = normalize_kernels.inverse_norms(Q, D) if norms is None else norms
     else:
         inv_q = inv_d = grad  # unused pointers
-    if rg is None:
-        segs = (Q, Q, Q, Q)  # (unused pointers)
-    else:
-        sg = _segs(Q, D, rg)
-        segs = (sg.qseg, sg.dseg, sg.pq, sg.pd)
+    segs = _seg_tensors(Q, rg)
     nw = plan.num_warps
     if plan.dq_scatter:
         dQ = torch.zeros(Q.shape, dtype=torch.float32, device=Q.device)
