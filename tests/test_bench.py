@@ -79,11 +79,17 @@ OFF_MATRIX = {
 }
 
 
+# Issue 5's launch-overhead target: a forward call on cross 4x4 Lq8 Ld8, timed as host time per call.
+LAUNCH = {("infer", "cross", 4, 4, 8, 8, 128)}
+
+
 def test_workload_table_matches_issue():
     dense = [w for w in workloads.WORKLOADS if not w.ragged]
     got = {(w.mode, w.layout, w.nq, w.nd, w.lq, w.ld, w.dim) for w in dense}
-    assert got == ISSUE_3 | DESIGN_H100 | OFF_MATRIX
-    assert len(dense) == len(ISSUE_3) + len(DESIGN_H100) + len(OFF_MATRIX)
+    assert got == ISSUE_3 | DESIGN_H100 | OFF_MATRIX | LAUNCH
+    assert len(dense) == len(ISSUE_3) + len(DESIGN_H100) + len(OFF_MATRIX) + len(LAUNCH)
+    host = {(w.mode, w.layout, w.nq, w.nd, w.lq, w.ld, w.dim) for w in workloads.WORKLOADS if w.timing == "host"}
+    assert host == LAUNCH
     assert all(w.note == "off-matrix" for w in dense if (w.mode, w.layout, w.nq, w.nd, w.lq, w.ld, w.dim) in OFF_MATRIX)
     keys = [w.key for w in workloads.WORKLOADS]
     assert len(set(keys)) == len(keys)
@@ -126,8 +132,8 @@ def test_quick_keeps_names_and_shrinks():
 
 def test_select_modes_patterns_and_errors():
     assert {w.mode for w in select("infer")} == {"infer"}
-    # issue 3's matrix + design.md's H100 row + off-matrix + ragged
-    assert len(select("train")) == 8 + 2 + 3 and len(select("infer")) == 10 + 1 + 2 + 4
+    # issue 3's matrix + design.md's H100 row + off-matrix + ragged (+ issue 5's launch-overhead row)
+    assert len(select("train")) == 8 + 2 + 3 and len(select("infer")) == 10 + 1 + 2 + 4 + 1
     both = select("all", ["cross-32x32-lq32-ld80"])
     assert [w.key for w in both] == ["infer/cross-32x32-lq32-ld80", "train/cross-32x32-lq32-ld80"]
     assert [w.key for w in select("all", ["train/cross-32x32-lq32-ld80"])] == ["train/cross-32x32-lq32-ld80"]
@@ -446,6 +452,53 @@ def test_ratio_arithmetic_and_fail_not_ranked():
     assert runner.best_peer(rows[:5]) is lik
 
 
+def test_host_timed_workloads_are_named_and_validated():
+    w = Workload("infer", "cross", 4, 4, 8, 8, timing="host")
+    assert w.name == "cross-4x4-lq8-ld8-host" and w.quick().name == w.name and w.quick().timing == "host"
+    assert Workload("infer", "cross", 4, 4, 8, 8).name == "cross-4x4-lq8-ld8"
+    with pytest.raises(ValueError, match="timing"):
+        Workload("infer", "cross", 4, 4, 8, 8, timing="wall")
+
+
+def test_host_timer_times_back_to_back_calls_and_syncs_between_batches():
+    events: list[str] = []
+
+    def call():
+        events.append("call")
+        t_end = time.perf_counter() + 2e-4
+        while time.perf_counter() < t_end:
+            pass
+
+    ms = runner._host_ms(call, warmup_ms=0, rep_ms=0, sync=lambda: events.append("sync"), batch=4)
+    assert 0.2 <= ms < 2.0
+    # one warm-up call, a sync, then batches of 4 calls each followed by a sync (outside the timed span)
+    assert events[:2] == ["call", "sync"]
+    batches = "".join("c" if e == "call" else "s" for e in events[2:]).split("s")[:-1]
+    assert len(batches) >= 5 and all(b == "cccc" for b in batches)
+
+
+def test_run_times_host_workloads_on_the_host_without_a_floor(monkeypatch):
+    used: list[str] = []
+    real_host, real_dev = runner.make_host_timer, runner.make_timer
+
+    def host_timer(*a):
+        timer = real_host(*a)
+        return lambda fn: used.append("host") or timer(fn)
+
+    def dev_timer(*a):
+        timer = real_dev(*a)
+        return lambda fn: used.append("device") or timer(fn)
+
+    monkeypatch.setattr(runner, "make_host_timer", host_timer)
+    monkeypatch.setattr(runner, "make_timer", dev_timer)
+    host = Workload("infer", "cross", 4, 4, 8, 8, dim=16, timing="host")
+    res = _run([host, _tiny("infer", "cross")], [_stand_in()], rounds=2)
+    assert used == ["host", "host", "device", "device"]
+    by_name = {r.workload: r for r in res.rows}
+    assert by_name[host.name].status == "ok" and by_name[host.name].ms > 0
+    assert by_name[host.name].floor_ms is None and by_name[host.name].floor_frac is None
+
+
 def test_cpu_timer_and_card_slug(monkeypatch):
     calls = []
     ms = runner._cpu_ms(lambda: calls.append(time.sleep(0.001)), warmup_ms=0, rep_ms=0, min_reps=5)
@@ -660,7 +713,8 @@ def test_cli_quick_on_gpu(tmp_path, capsys):
     rc = main(
         [
             "bench", "--quick", "--device", "cuda", "--no-progress", "--only", "cross-32x32-lq32-ld80",
-            "cand-32x50-lq32-ld180", "pairs-*", "--impl", "maxsim", "eager", "lik", "flash", "--out", str(tmp_path),
+            "cand-32x50-lq32-ld180", "pairs-*", "cross-4x4-lq8-ld8-host", "--impl", "maxsim", "eager", "lik",
+            "flash", "--out", str(tmp_path),
         ]
     )  # fmt: skip
     out = capsys.readouterr().out
@@ -673,10 +727,12 @@ def test_cli_quick_on_gpu(tmp_path, capsys):
     assert doc["meta"]["card"] == card
     report.validate_json(doc)
     assert doc["meta"]["copy_bandwidth_gbps"] > 100 and doc["meta"]["matmul_tflops"] > 10
+    assert any(r["workload"].endswith("-host") for r in doc["rows"])
     for r in doc["rows"]:
-        assert r["floor_ms"] is not None and r["floor_ms"] > 0
+        host = r["workload"].endswith("-host")  # (host time per call: no roofline)
+        assert (r["floor_ms"] is None) if host else (r["floor_ms"] is not None and r["floor_ms"] > 0)
         if r["status"] == "ok":
-            assert r["peak_mib"] is not None and r["floor_frac"] is not None
+            assert r["peak_mib"] is not None and (r["floor_frac"] is None) == host
         else:
             assert r["reason"]
     ours = [r for r in doc["rows"] if r["impl"] == "maxsim"]

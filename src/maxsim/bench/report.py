@@ -332,8 +332,9 @@ def markdown(result: Result) -> str:
     out += [
         "",
         f"Median ms (lower is better){_rounds_note(m)}. `vs best peer`: the fastest other implementation's time "
-        "over maxsim's (>1 = maxsim faster). `% floor`: roofline floor / maxsim's time. FAIL = wrong result (not "
-        "ranked); "
+        "over maxsim's (>1 = maxsim faster). `% floor`: roofline floor / maxsim's time. Rows named `...-host`: "
+        "the calling thread's time per call, calls back to back (launch overhead), not device time. FAIL = wrong "
+        "result (not ranked); "
         "n/a = not covered by that implementation; — = implementation not available.",
     ]
     groups = group_rows(result.rows)

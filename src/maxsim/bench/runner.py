@@ -261,6 +261,34 @@ def _cpu_ms(fn: Callable[[], Any], warmup_ms: float, rep_ms: float, min_reps: in
     return statistics.median(times)
 
 
+def _host_ms(fn: Callable[[], Any], warmup_ms: float, rep_ms: float, sync: Callable[[], None], batch: int = 50):
+    """Median over batches of the calling thread's time per call, ``batch`` calls back to back with nothing in
+    between (no flush, no sync: a tiny call's device work is shorter than its launch path, so this is the host
+    path's cost); the device is synchronized between batches, outside the timed span, so that its queue never
+    fills and throttles the host."""
+    t_end = time.perf_counter() + warmup_ms * 1e-3
+    fn()
+    while time.perf_counter() < t_end:
+        fn()
+    sync()
+    times: list[float] = []
+    t_end = time.perf_counter() + rep_ms * 1e-3
+    while len(times) < 5 or (time.perf_counter() < t_end and len(times) < 1000):
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            fn()
+        times.append((time.perf_counter() - t0) / batch * 1e3)
+        sync()
+    return statistics.median(times)
+
+
+def make_host_timer(device: torch.device, warmup_ms: float, rep_ms: float) -> Callable[[Callable[[], Any]], float]:
+    """``timer(fn) -> median ms`` of host time per call (see :func:`_host_ms`): the timer of ``timing="host"``
+    workloads."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    return lambda fn: _host_ms(fn, warmup_ms, rep_ms, sync)
+
+
 def make_timer(device: torch.device, warmup_ms: float, rep_ms: float) -> Callable[[Callable[[], Any]], float]:
     """``timer(fn) -> median ms`` for ``device``."""
     if device.type == "cuda":
@@ -586,17 +614,19 @@ def _bench_one(
     return None
 
 
-def _time_interleaved(timed: list[tuple[Row, Callable[[], Any]]], ctx: _Ctx) -> None:
-    """``row.ms`` of every prepared call of one workload: the median over ``ctx.rounds`` rounds, each round timing
-    every implementation once, in turn. Interleaving spreads a drift of the machine (host clocks, GPU clocks,
-    neighbours) over all implementations alike instead of charging it to whichever ran in the bad second."""
+def _time_interleaved(timed: list[tuple[Row, Callable[[], Any]]], ctx: _Ctx, host: bool = False) -> None:
+    """``row.ms`` of every prepared call of one workload (``host``: its host time per call): the median over
+    ``ctx.rounds`` rounds, each round timing every implementation once, in turn. Interleaving spreads a drift of
+    the machine (host clocks, GPU clocks, neighbours) over all implementations alike instead of charging it to
+    whichever ran in the bad second."""
     times: dict[int, list[float]] = {id(row): [] for row, _ in timed}
+    timer = ctx.host_timer if host else ctx.timer
     for _ in range(ctx.rounds):
         for row, call in timed:
             if row.status == "error":
                 continue
             try:
-                times[id(row)].append(ctx.timer(call))
+                times[id(row)].append(timer(call))
             except Exception as e:
                 row.status, row.reason = "error", _short(e)
     for row, _ in timed:
@@ -609,6 +639,7 @@ class _Ctx:
     dtype: torch.dtype
     tol: float
     timer: Callable[[Callable[[], Any]], float]
+    host_timer: Callable[[Callable[[], Any]], float]
     rounds: int = 1
     ref_error: str | None = None
 
@@ -661,7 +692,10 @@ def run(
         expected = getattr(impl, "expected_version", "")
         if impl.name not in skipped and expected and meta["impl_versions"].get(impl.name) != expected:
             log(f"{impl.name}: version {meta['impl_versions'].get(impl.name)}, the design's numbers use {expected}")
-    ctx = _Ctx(device=device, dtype=dtype, tol=TOLERANCE.get(dtype, 1e-4), timer=timer, rounds=rounds)
+    host_timer = make_host_timer(device, warmup_ms / rounds, rep_ms / rounds)
+    ctx = _Ctx(
+        device=device, dtype=dtype, tol=TOLERANCE.get(dtype, 1e-4), timer=timer, host_timer=host_timer, rounds=rounds
+    )
     result = Result(meta=meta)
     plan = [(w, [i for i in impls if w.ragged or not i.ragged_only]) for w in workloads]
     bar = _Progress(sum(len(row_impls) for _, row_impls in plan), len(workloads), progress, log)
@@ -669,6 +703,8 @@ def run(
         for w, row_impls in plan:
             bar.workload(w.key)
             flops, nbytes, floor = roofline_floor(w, dtype.itemsize, roof)
+            if w.timing == "host":
+                floor = None  # (host time has no roofline)
             stats = w.ragged_stats()
             inp: Inputs | None = None
             ref: Reference | None = None
@@ -707,7 +743,7 @@ def run(
                 result.rows.append(row)
                 bar.step(f"{w.key} {impl.name}")
                 _free(device)
-            _time_interleaved(timed, ctx)
+            _time_interleaved(timed, ctx, host=w.timing == "host")
             del timed
             for impl in impls:
                 impl.reset()

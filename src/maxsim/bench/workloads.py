@@ -30,6 +30,7 @@ from . import ragged as _ragged
 MODES = ("infer", "train")
 LAYOUTS = ("cross", "candidates", "pairs", "varlen", "pairlist")
 RAGGED_LAYOUTS = ("varlen", "pairlist")
+TIMINGS = ("device", "host")
 _PREFIX = {"cross": "cross", "candidates": "cand", "pairs": "pairs", "varlen": "varlen", "pairlist": "pairlist"}
 
 
@@ -48,6 +49,10 @@ class Workload:
         lq_min, ld_min: ragged layouts only: the smallest length drawn (0: every length is ``lq`` / ``ld``).
         pool: ``pairlist`` only: documents in the pool, each query taking ``K`` distinct ones (0: ``Nq·K``
             documents, each the candidate of one pair: the dense-equivalent of ``candidates``).
+        timing: ``"device"``: the call's time on the device (CUDA events, L2 flushed before each call: see
+            :func:`maxsim.bench.runner.make_timer`); ``"host"``: the calling thread's time per call, calls back to
+            back (launch overhead: what a tiny call costs whoever makes it). A host-timed workload's name ends in
+            ``-host`` and it has no roofline floor.
     """
 
     mode: str
@@ -62,10 +67,13 @@ class Workload:
     lq_min: int = 0
     ld_min: int = 0
     pool: int = 0
+    timing: str = "device"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {self.mode!r}")
+        if self.timing not in TIMINGS:
+            raise ValueError(f"timing: expected one of {TIMINGS}, got {self.timing!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout: expected one of {LAYOUTS}, got {self.layout!r}")
         if self.layout == "pairs" and self.nd != self.nq:
@@ -94,7 +102,7 @@ class Workload:
         lq = f"{self.lq_min}-{self.lq}" if self.lq_min not in (0, self.lq) else f"{self.lq}"
         ld = f"{self.ld_min}-{self.ld}" if self.ld_min not in (0, self.ld) else f"{self.ld}"
         pool = f"-pool{self.pool}" if self.pool else ""
-        suffix = "" if self.dim == 128 else f"-d{self.dim}"
+        suffix = ("" if self.dim == 128 else f"-d{self.dim}") + ("-host" if self.timing == "host" else "")
         return f"{_PREFIX[self.layout]}-{n}-lq{lq}-ld{ld}{pool}{suffix}"
 
     @property
@@ -236,6 +244,8 @@ WORKLOADS: tuple[Workload, ...] = (
     _w("infer", "candidates", 32, 50, 32, 180, note="padded rerank"),
     _w("infer", "cross", 1, 4000, 32, 1024, dim=64, note="edge model"),
     _w("infer", "cross", 1, 1000, 32, 1024, dim=48, note="rerank 1000, dim 48 (design.md §7, H100 table)"),
+    # issue 5: "a forward call on a tiny input (cross 4x4 Lq8 Ld8) costs under 25 us of host time"
+    _w("infer", "cross", 4, 4, 8, 8, note="launch overhead: host time per call", timing="host"),
     # training
     _w("train", "cross", 32, 32, 32, 80, note="contrastive step"),
     _w("train", "cross", 64, 64, 32, 128, note="contrastive step"),
