@@ -1,0 +1,72 @@
+"""The CPU backward's two formulations: the link list (any size, any values) and, for small problems with finite
+tokens, products with one-hot weights (maxsim.cpu.DENSE_BACKWARD_MAX). Same terms, another summation order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from maxsim import cpu
+
+
+def _case(layout: str, dtype: torch.dtype, masked: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    Nq, K, Lq, Ld, dim = 3, 5, 7, 9, 24
+    Q = torch.randint(-3, 4, (Nq, Lq, dim), generator=g).to(dtype)  # integer data: ties between document tokens
+    D = torch.randint(-3, 4, (Nq if layout == "candidates" else 1, K, Ld, dim), generator=g).to(dtype)
+    q_mask = torch.rand((Nq, Lq), generator=g) > 0.3 if masked else None
+    d_mask = torch.rand(D.shape[:-1], generator=g) > 0.3 if masked else None
+    _s, argmax = cpu.forward(Q, D, q_mask, d_mask, False, True)
+    grad = torch.randn((Nq, K), generator=g)
+    return grad, Q, D, argmax
+
+
+@pytest.mark.parametrize("layout", ["cross", "candidates"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("masked", [False, True])
+def test_one_hot_products_match_the_link_list(layout, dtype, masked):
+    grad, Q, D, argmax = _case(layout, dtype, masked)
+    assert (argmax == -1).any() == masked
+    one_hot = cpu._backward_one_hot(grad, Q, D, argmax)
+    links = cpu._backward_links(grad, Q, D, argmax, False)
+    for a, b in zip(one_hot, links, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+        torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol)
+
+
+def test_one_hot_keeps_nan_upstream_gradients_on_their_links():
+    grad, Q, D, argmax = _case("cross", torch.float32, True)
+    grad[1, 2] = float("nan")
+    one_hot = cpu._backward_one_hot(grad, Q, D, argmax)
+    links = cpu._backward_links(grad, Q, D, argmax, False)
+    for a, b in zip(one_hot, links, strict=True):
+        assert torch.equal(a.isnan(), b.isnan())
+        torch.testing.assert_close(a.nan_to_num(), b.nan_to_num(), rtol=1e-5, atol=1e-5)
+
+
+def test_the_rule_small_and_finite_only(monkeypatch):
+    grad, Q, D, argmax = _case("cross", torch.float32, True)
+    assert cpu._one_hot_worthwhile(Q, D)
+    poisoned = D.clone()
+    poisoned[0, 0, 0, 0] = float("inf")  # (a masked token may hold anything)
+    assert not cpu._one_hot_worthwhile(Q, poisoned)
+    assert not cpu._one_hot_worthwhile(Q.clone().fill_(float("nan")), D)
+    monkeypatch.setattr(cpu, "DENSE_BACKWARD_MAX", 3 * 5 * 7 * 10 - 1)  # (one entry short)
+    assert not cpu._one_hot_worthwhile(Q, D)
+    calls = []
+    monkeypatch.setattr(cpu, "_backward_one_hot", lambda *a: calls.append(a))
+    cpu.backward(grad, Q, D, argmax, False)  # too large now: the link list
+    assert not calls
+
+
+def test_a_poisoned_masked_token_takes_the_link_list():
+    """inf in a masked document token never reaches a gradient (the one-hot product would make NaN of it)."""
+    g = torch.Generator().manual_seed(1)
+    Q, D = torch.randn((2, 4, 16), generator=g), torch.randn((1, 3, 6, 16), generator=g)
+    d_mask = torch.ones(D.shape[:-1], dtype=torch.bool)
+    d_mask[0, 1, 2] = False
+    D[0, 1, 2] = float("inf")
+    _s, argmax = cpu.forward(Q, D, None, d_mask, False, True)
+    dQ, dD = cpu.backward(torch.ones(2, 3), Q, D, argmax, False)
+    assert torch.isfinite(dQ).all() and torch.isfinite(dD).all()
