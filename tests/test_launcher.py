@@ -299,3 +299,25 @@ def test_launches_name_every_caller_tensor_foreign(monkeypatch, name, args, grad
         for i, t in enumerate(tensors):
             if id(t) not in named:
                 assert t.untyped_storage().data_ptr() not in owned, (kernel, i)
+
+
+def test_inference_plans_tell_the_callers_layouts_apart(device):
+    """An inference call's plan is keyed by the caller's tensors and how they are viewed (no views are made on a
+    repeat): ``Q [B, Lq, dim]`` with ``D [B, Ld, dim]`` is a cross product for :func:`maxsim.maxsim` and aligned
+    pairs for :func:`maxsim.maxsim_pairs`, and each, called in turn on the same tensors, gets its own scores."""
+    from helpers import randn, triton_usable
+
+    import maxsim
+    from maxsim import reference
+
+    if not triton_usable(device):
+        pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
+    Q, D = randn((3, 5, 16), seed=1, device=device), randn((3, 7, 16), seed=2, device=device)
+    cross = reference.maxsim(Q, D)
+    pairs = reference.maxsim(Q, D[:, None])[:, 0]
+    with maxsim.backend("triton"), torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(maxsim.maxsim(Q, D), cross)
+            torch.testing.assert_close(maxsim.maxsim_pairs(Q, D), pairs)
+            torch.testing.assert_close(maxsim.maxsim(Q[0], D), cross[0])
+            torch.testing.assert_close(maxsim.maxsim(Q, D[1]), cross[:, 1])

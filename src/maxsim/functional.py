@@ -59,11 +59,7 @@ def maxsim(
         float32 scores (float64 for float64 inputs). Ties in the max go to the lowest token index; a NaN among a
         pair's valid tokens makes its score NaN. No host↔device synchronization.
     """
-    validate.tensor("Q", Q, (2, 3))
-    validate.tensor("D", D, (2, 3, 4))
-    validate.same_kind(Q, D)
-    validate.flag("normalize", normalize)
-    validate.backward_mode(backward)
+    validate.call(Q, D, (2, 3), (2, 3, 4), normalize, backward, return_argmax)
     if D.dim() == 4:
         if Q.dim() != 3:
             raise ValueError(
@@ -79,7 +75,6 @@ def maxsim(
         validate.mask("q_mask", q_mask, Q.shape[:-1], Q.device)
     if d_mask is not None:
         validate.mask("d_mask", d_mask, D.shape[:-1], Q.device)
-    validate.flag("return_argmax", return_argmax)
     return _run(Q, D, canonical_dense(Q, D, q_mask, d_mask), normalize, backward, return_argmax)
 
 
@@ -113,16 +108,11 @@ def maxsim_pairs(
     Masks: ``q_mask [B, Lq]``, ``d_mask [B, Ld]``; everything else as :func:`maxsim` (``return_argmax`` adds the
     int32 argmax ``[B, Lq]``).
     """
-    validate.tensor("Q", Q, (3,))
-    validate.tensor("D", D, (3,))
-    validate.same_kind(Q, D)
-    validate.flag("normalize", normalize)
-    validate.backward_mode(backward)
+    validate.call(Q, D, (3,), (3,), normalize, backward, return_argmax)
     if D.shape[0] != Q.shape[0]:
         raise ValueError(f"D: expected as many documents as queries (B = {Q.shape[0]}), got shape {tuple(D.shape)}")
     if q_mask is not None:  # (shapes and devices cost host time; most calls have no masks)
         validate.mask("q_mask", q_mask, Q.shape[:-1], Q.device)
     if d_mask is not None:
         validate.mask("d_mask", d_mask, D.shape[:-1], Q.device)
-    validate.flag("return_argmax", return_argmax)
     return _run(Q, D, canonical_pairs(Q, D, q_mask, d_mask), normalize, backward, return_argmax)

@@ -46,11 +46,15 @@ def forward_impl(
     need_argmax: bool,
     impl: str,
     rg: Ragged | None = None,
+    views: Views | None = None,
 ) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor] | None]:
     """Scores, argmax (None or empty when not asked for) and, where the implementation computed them, the tokens'
-    inverse norms of ``normalize=True`` (for :func:`backward_impl`; else None)."""
+    inverse norms of ``normalize=True`` (for :func:`backward_impl`; else None). ``views``: ``Q`` and ``D`` are the
+    caller's tensors, to be viewed canonically (results stay canonical)."""
     if impl == "triton":
-        return _triton_path().forward_keeping_norms(Q, D, q_mask, d_mask, normalize, need_argmax, rg)
+        return _triton_path().forward_keeping_norms(Q, D, q_mask, d_mask, normalize, need_argmax, rg, views=views)
+    if views is not None:
+        Q, D = _in_views(Q, D, views)
     if rg is not None:
         return (*cpu_ragged.forward(Q, D, normalize, need_argmax, rg), None)
     return (*cpu.forward(Q, D, q_mask, d_mask, normalize, need_argmax), None)
@@ -242,14 +246,14 @@ def maxsim_canonical(
     if need_grad and not compiling:
         out = _MaxSimFunction.apply(Q, D, (q_mask, d_mask, normalize, impl, deterministic, rg, views))
         return out if return_argmax else out[0]
-    if views is not None:
-        Q, D = _in_views(Q, D, views)
     need_argmax = need_grad or return_argmax
     if compiling:
+        if views is not None:
+            Q, D = _in_views(Q, D, views)
         r = () if rg is None else tuple(rg)
         out = forward(Q, D, q_mask, d_mask, normalize, need_argmax, impl, deterministic, *r)
     else:
-        out = forward_impl(Q, D, q_mask, d_mask, normalize, need_argmax, impl, rg)[:2]
+        out = forward_impl(Q, D, q_mask, d_mask, normalize, need_argmax, impl, rg, views)[:2]
     if views is not None and views.out is not None:
         out = _out_views(out[0], out[1] if return_argmax else None, views)
     return out if return_argmax else out[0]

@@ -27,6 +27,31 @@ def tensor(name: str, x: object, ndims: tuple[int, ...]) -> Tensor:
     return x
 
 
+_FLOAT_SET = frozenset(FLOAT_DTYPES)
+
+
+def call(
+    Q: object, D: object, q_ranks: tuple[int, ...], d_ranks: tuple[int, ...], normalize: object, backward: object,
+    return_argmax: object,
+) -> None:  # fmt: skip
+    """:func:`tensor` of ``Q`` and ``D``, :func:`same_kind`, and the options ``normalize``, ``backward`` and
+    ``return_argmax``: a well-formed call passes one expression (each check on its own costs a call, ~2 µs of host
+    time for all of them on a tiny call); any other runs the checks in turn, for their messages."""
+    if (
+        isinstance(Q, Tensor) and isinstance(D, Tensor) and Q.dtype is D.dtype and Q.dtype in _FLOAT_SET
+        and Q.dim() in q_ranks and D.dim() in d_ranks and Q.shape[-1] == D.shape[-1] and Q.shape[-1] != 0
+        and Q.device == D.device and type(normalize) is bool and type(return_argmax) is bool
+        and type(backward) is str and backward in BACKWARD_MODES
+    ):  # fmt: skip
+        return
+    tensor("Q", Q, q_ranks)
+    tensor("D", D, d_ranks)
+    same_kind(Q, D)
+    flag("normalize", normalize)
+    backward_mode(backward)
+    flag("return_argmax", return_argmax)
+
+
 def same_kind(Q: Tensor, D: Tensor) -> None:
     """Q and D share a dtype, a device and the token dimension."""
     if Q.dtype != D.dtype:

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..layout import Ragged, dims
+from ..layout import Ragged, Views, dims, view_as_canonical
 from . import csr as csr_kernel
 from . import dd_gather
 from . import normalize as normalize_kernels
@@ -288,25 +288,31 @@ def forward_keeping_norms(
     need_argmax: bool,
     rg: Ragged | None = None,
     cfg: ForwardConfig | None = None,
+    views: Views | None = None,
 ) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor] | None]:
     """Scores ``[Nq, K]`` fp32, argmax ``[Nq, K, Lq]`` int32 (None unless ``need_argmax``) and the inverse norms
     ``(inv_q, inv_d)`` (fp32, the tokens' shapes without ``dim``) where the forward computed them in a pre-pass
     (``normalize=True``, see ``PRENORM_*``; else None), which a training step hands on to :func:`backward`.
 
     A pair list gives ``[1, P]`` and ``[1, P, Lq]``. ``cfg`` overrides the launch table (offline tuning only).
+    ``views``: ``Q`` and ``D`` are the caller's tensors, to be read as ``view_as_canonical`` of them (the results
+    stay canonical); a repeated call then skips making the views, since a launch needs their pointers only.
     Calls reuse a plan keyed by shapes, strides, flags and maximum lengths (never values), so a repeated call
     costs its allocations and a launch of host work."""
     key = None
     if cfg is None:
         key = (
-            Q.device, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype,
-            None if q_mask is None else q_mask.stride(), None if d_mask is None else d_mask.stride(),
-            normalize, need_argmax, torch.get_float32_matmul_precision(), _ragged_key(rg), PRENORM_MIN_ROW_BLOCKS,
-            PRENORM_MIN_QUERY_BLOCKS, PRENORM_UNSHARED, STREAM_ONCE_READ, STREAM_L2_RANGE, STREAM_MASKED_MIN_BLOCK_K,
+            Q.device, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, views,
+            None if q_mask is None else q_mask.stride(), None if d_mask is None else d_mask.stride(), normalize,
+            need_argmax, torch.get_float32_matmul_precision() if Q.dtype == torch.float32 else None, _ragged_key(rg),
+            PRENORM_MIN_ROW_BLOCKS, PRENORM_MIN_QUERY_BLOCKS, PRENORM_UNSHARED, STREAM_ONCE_READ, STREAM_L2_RANGE,
+            STREAM_MASKED_MIN_BLOCK_K,
         )  # fmt: skip
         plan = _plans.get(key)
         if plan is not None:
             return _run_forward(plan, Q, D, q_mask, d_mask, _seg_tensors(Q, rg), need_argmax)
+    if views is not None:  # (a view shares its tensor's pointer: the plan serves the caller's tensors as given)
+        Q, D = view_as_canonical(Q, views.q), view_as_canonical(D, views.d)
     Nq, Lq, Bd, K, Ld, dim = dims(Q, D, rg)
     if Nq == 0 or K == 0 or Lq == 0 or Ld == 0:
         scores = torch.zeros((Nq, K), dtype=torch.float32, device=Q.device)
@@ -614,7 +620,8 @@ def backward(
         grad = grad.to(torch.float32)
     key = (
         Q.device, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype, grad.shape, grad.stride(),
-        normalize, deterministic, torch.get_float32_matmul_precision(), _ragged_key(rg), PAIR_SCAN_MAX_WORK,
+        normalize, deterministic, torch.get_float32_matmul_precision() if Q.dtype == torch.float32 else None,
+        _ragged_key(rg), PAIR_SCAN_MAX_WORK,
         SHARED_OWNER_MAX_WORK, FUSED_SCATTER, SORTED_DD_MIN_LINKS, SORTED_DD_WARPS, dd_gather.CHUNK,
     )  # fmt: skip
     plan = _bplans.get(key)
