@@ -6,8 +6,8 @@ For every maxsim row: the best peer (fastest other implementation that passed, e
 ratio, the fraction of the roofline floor, and whether ``time <= max(best_peer / R, floor / E)`` holds, with
 R = 1.15, E = 0.85 for inference, R = 1.5, E = 0.70 for the compute-bound inference shapes and for training.
 Host-timed rows (names ending in ``-host``: the calling thread's time per call) have issue 5's absolute target of
-25 µs instead. Host-bound rows (tiny shapes) move between runs and machines; the table says what this one run
-measured.
+25 µs instead, and the small training step (cross 32×32 Lq32 Ld80) must also stay under issue 5's 0.2 ms.
+Host-bound rows (tiny shapes) move between runs and machines; the table says what this one run measured.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 COMPUTE_BOUND = {"cross-32x65536-lq32-ld256", "cross-1x500-lq1024-ld1024", "cross-128x128-lq32-ld300"}
 OURS = ("maxsim", "maxsim-padded")
 HOST_TARGET_MS = 0.025  # issue 5: a forward call on a tiny input costs under 25 µs of host time
+SMALL_STEP, SMALL_STEP_MS = ("train", "cross-32x32-lq32-ld80"), 0.2  # issue 5: "the small step ... under 0.2 ms"
 
 
 def targets(doc: dict) -> list[dict]:
@@ -38,6 +39,8 @@ def targets(doc: dict) -> list[dict]:
         if name.endswith("-host"):
             R = E = None
             bound = HOST_TARGET_MS
+        if (mode, name) == SMALL_STEP:
+            bound = min(bound, SMALL_STEP_MS)
         out.append({
             "mode": mode, "workload": name, "ms": ours["ms"], "best_peer": best["impl"] if best else None,
             "best_ms": best["ms"] if best else None, "ratio": best["ms"] / ours["ms"] if best else None,
@@ -45,6 +48,13 @@ def targets(doc: dict) -> list[dict]:
             "met": ours["ms"] <= bound,
         })  # fmt: skip
     return out
+
+
+def _rule(t: dict) -> str:
+    if t["R"] is None:
+        return "(host, absolute)"
+    cap = f"; < {SMALL_STEP_MS} ms" if (t["mode"], t["workload"]) == SMALL_STEP else ""
+    return f"({t['R']}, {t['E']}{cap})"
 
 
 def main() -> None:
@@ -61,7 +71,7 @@ def main() -> None:
         frac = f"{100 * t['floor_frac']:.0f}%" if t["floor_frac"] else "-"
         peer = f"{t['best_peer']} {t['best_ms']:.4g}" if t["best_peer"] else "-"
         lines.append([t["mode"], t["workload"], f"{t['ms']:.4g}", peer, ratio, frac,
-                      f"{t['bound_ms']:.4g} " + (f"({t['R']}, {t['E']})" if t["R"] else "(host, absolute)"),
+                      f"{t['bound_ms']:.4g} " + _rule(t),
                       "yes" if t["met"] else "no"])  # fmt: skip
     if a.markdown:
         print("| " + " | ".join(head) + " |")
