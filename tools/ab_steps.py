@@ -2,8 +2,8 @@
 
 Host-bound rows (small training steps, tiny inference) move by 2x between calls on the lent machines, so two runs of
 ``maxsim bench`` cannot tell a 10 % change from noise. Here both versions run in the same process, alternating (7
-rounds, order reversed every other round, ``triton.testing.do_bench`` with its L2 flush, as the bench), and each
-row reports the median and the minimum of both.
+rounds, order reversed every other round, ``triton.testing.do_bench`` with its L2 flush, as the bench; host-timed
+rows with the bench's host timer), and each row reports the median and the minimum of both.
 
 Usage:
   python tools/ab_steps.py --make-old REV            # here: .devdata/oldpkg/maxsim_old from `git archive REV`
@@ -58,7 +58,7 @@ def compare(
 
     import maxsim
     from maxsim.bench.peers import MaxsimImpl
-    from maxsim.bench.runner import make_call
+    from maxsim.bench.runner import make_call, make_host_timer
     from maxsim.bench.workloads import RAGGED_LAYOUTS, make_inputs, seed_of, select
 
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -78,9 +78,11 @@ def compare(
                 fn, operands = impl.scorer(w, dev, dt), inp
             calls[name] = make_call(w, fn, operands)
         times: dict[str, list[float]] = {n: [] for n in calls}
+        # (a host-timed row, as the bench times it: the calling thread's time per call)
+        timer = make_host_timer(dev, 10, 40) if w.timing == "host" else (lambda c: do_bench(c, warmup=10, rep=40))
         for r in range(rounds):
             for n, c in calls.items() if r % 2 == 0 else reversed(calls.items()):
-                times[n].append(do_bench(c, warmup=10, rep=40) * 1e3)
+                times[n].append(timer(c) * 1e3)
         med = {n: statistics.median(v) for n, v in times.items()}
         print(
             f"{mode:5s} {w.name:45s} new {med['new']:8.1f} us  old {med['old']:8.1f} us  new/old "
