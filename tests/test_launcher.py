@@ -156,7 +156,7 @@ def test_backward_plans_describe_every_call_exactly(monkeypatch):
     """A cached backward plan launches exactly what a freshly built one would, whatever changed between calls that
     the plan must follow (the upstream gradient's layout and dtype, flags, pair lists, the scan limit)."""
     from maxsim.kernels import launch
-    from maxsim.layout import Ragged
+    from maxsim.layout import Ragged, Views
 
     calls: list = []
 
@@ -179,8 +179,11 @@ def test_backward_plans_describe_every_call_exactly(monkeypatch):
     pq, pd = torch.tensor([0, 2, 1, 2]), torch.tensor([3, 1, 1, 0])
     rg = Ragged(cu_q, cu_d, pq, pd, 4, 5)
     argp = torch.zeros(1, 4, 4, dtype=torch.int32)
+    cross_as_given = Views((), (0,), None)
     cases = [
         (g, Q, D, arg, False, False, None),
+        (g, Q, D[0], arg, False, False, None, None, cross_as_given),  # the caller's 3-D D, viewed by the plan
+        (g, Q, D[0], arg, True, True, None, None, cross_as_given),
         (torch.ones(()).expand(4, 5), Q, D, arg, False, False, None),  # a .sum() loss: stride 0
         (torch.randn(5, 4).t(), Q, D, arg, False, False, None),  # transposed: made contiguous
         (g.double(), Q, D, arg, False, False, None),
@@ -199,7 +202,7 @@ def test_backward_plans_describe_every_call_exactly(monkeypatch):
             launch._bplans.clear()
             launch.backward(*case)
             fresh[limit, i] = list(calls)
-    assert fresh[limits[0], 7] != fresh[0, 7]  # the pair list really takes another path without the scan
+    assert fresh[limits[0], 9] != fresh[0, 9]  # the pair list really takes another path without the scan
     launch._bplans.clear()
     for _ in range(2):  # every case after every other, on plans cached along the way
         for limit in limits:
@@ -240,7 +243,7 @@ def test_plan_cache_keys_on_foreign_tensors_only(fake_gpu):
 def _caller_layouts():
     """(name, forward arguments after Q and D, upstream gradient) of every layout the launches see, with inputs the
     caller owns: masks, offsets, lengths, pair ids, misaligned views, a strided gradient."""
-    from maxsim.layout import Ragged
+    from maxsim.layout import Ragged, Views
 
     Q, D = torch.randn(4, 6, 16), torch.randn(1, 5, 7, 16)
     qm, dm = torch.rand(4, 6) > 0.3, torch.rand(1, 5, 7) > 0.3
@@ -250,6 +253,7 @@ def _caller_layouts():
     lengths = Ragged(torch.tensor([6, 2, 5, 1]), torch.tensor([[7, 3, 0, 5, 1]]), None, None, 6, 7)
     return [
         ("cross", (Q, D, None, None, False, None), None),
+        ("cross, 3-D D as given", (Q, D[0], None, None, True, None, Views((), (0,), None)), None),
         ("masks, normalize", (Q, D, qm, dm, True, None), torch.ones(()).expand(4, 5)),
         (
             "misaligned",
@@ -280,13 +284,15 @@ def test_launches_name_every_caller_tensor_foreign(monkeypatch, name, args, grad
 
     monkeypatch.setattr(launcher.Launcher, "__call__", record)
     monkeypatch.setattr(launch, "INTERPRETER", False)
-    Q, D, q_mask, d_mask, normalize, rg = args
+    Q, D, q_mask, d_mask, normalize, rg, *views = args
+    views = views[0] if views else None
     launch._plans.clear()
     launch._bplans.clear()
-    scores, argmax, norms = ops.forward_impl(Q, D, q_mask, d_mask, normalize, True, "triton", rg)
-    argmax.zero_()  # (the launches were not run)
-    g = torch.randn(scores.shape) if grad is None else grad
-    ops.backward_impl(g, Q, D, argmax, normalize, mode == "deterministic", "triton", rg, norms)
+    for _ in range(2):  # planning, then planned
+        scores, argmax, norms = ops.forward_impl(Q, D, q_mask, d_mask, normalize, True, "triton", rg, views)
+        argmax.zero_()  # (the launches were not run)
+        g = torch.randn(scores.shape) if grad is None else grad
+        ops.backward_impl(g, Q, D, argmax, normalize, mode == "deterministic", "triton", rg, norms, views)
     launch._plans.clear()
     launch._bplans.clear()
     caller = [Q, D, q_mask, d_mask, g, *(() if rg is None else rg[:4])]
@@ -321,3 +327,19 @@ def test_inference_plans_tell_the_callers_layouts_apart(device):
             torch.testing.assert_close(maxsim.maxsim_pairs(Q, D), pairs)
             torch.testing.assert_close(maxsim.maxsim(Q[0], D), cross[0])
             torch.testing.assert_close(maxsim.maxsim(Q, D[1]), cross[:, 1])
+    # training: the forward saves the caller's tensors and the backward plans from their views too
+    Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+    calls = {
+        "cross": (maxsim.maxsim, reference.maxsim, (Qg, Dg)),
+        "pairs": (maxsim.maxsim_pairs, reference.maxsim_pairs, (Qg, Dg)),
+        "2-D Q": (maxsim.maxsim, reference.maxsim, (Qg[1], Dg)),
+        "2-D D": (maxsim.maxsim, reference.maxsim, (Qg, Dg[2])),
+    }
+    with maxsim.backend("triton"):
+        for _ in range(2):
+            for name, (ours, ref, args) in calls.items():
+                g = randn(ref(*args).shape, seed=3, device=device)
+                got = torch.autograd.grad(ours(*args), (Qg, Dg), g)
+                want = torch.autograd.grad(ref(*args), (Qg, Dg), g)
+                for a, b in zip(got, want, strict=True):
+                    torch.testing.assert_close(a, b, msg=name)

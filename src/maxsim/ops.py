@@ -70,10 +70,17 @@ def backward_impl(
     impl: str,
     rg: Ragged | None = None,
     norms: tuple[Tensor, Tensor] | None = None,
+    views: Views | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``(dQ, dD)``; ``norms``: what :func:`forward_impl` returned (the Triton path's only)."""
+    """``(dQ, dD)`` shaped as ``Q`` and ``D``; ``norms``: what :func:`forward_impl` returned (the Triton path's
+    only); ``views``: ``Q`` and ``D`` are the caller's tensors, to be viewed canonically (as in
+    :func:`forward_impl`)."""
     if impl == "triton":
-        return _triton_path().backward(grad, Q, D, argmax, normalize, deterministic, rg, norms)
+        return _triton_path().backward(grad, Q, D, argmax, normalize, deterministic, rg, norms, views=views)
+    if views is not None:
+        Qc, Dc = _in_views(Q, D, views)
+        dQ, dD = backward_impl(grad, Qc, Dc, argmax, normalize, deterministic, impl, rg)
+        return view_as_given(dQ, views.q), view_as_given(dD, views.d)
     if rg is not None:
         return cpu_ragged.backward(grad, Q, D, argmax, normalize, deterministic, rg)
     return cpu.backward(grad, Q, D, argmax, normalize, deterministic)
@@ -190,9 +197,8 @@ class _MaxSimFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, Q, D, call):
         q_mask, d_mask, normalize, impl, _deterministic, rg, views = call
-        if views is not None:
-            Q, D = _in_views(Q, D, views)
-        scores, argmax, norms = forward_impl(Q, D, q_mask, d_mask, normalize, True, impl, rg)
+        # (the caller's Q and D, saved as given: neither pass makes their canonical views on a planned call)
+        scores, argmax, norms = forward_impl(Q, D, q_mask, d_mask, normalize, True, impl, rg, views)
         ctx.save_for_backward(Q, D, argmax, *(norms or ()))
         ctx.call, ctx.grid = call[2:], scores.shape  # (not the masks: the backward does not need them alive)
         # No zero-filled gradient for the (non-differentiable) argmax output: one allocation and fill fewer per step.
@@ -209,9 +215,7 @@ class _MaxSimFunction(torch.autograd.Function):
         Q, D, argmax, *norms = ctx.saved_tensors
         normalize, impl, deterministic, rg, views = ctx.call
         grad = grad_scores if views is None or views.out is None else grad_scores.view(ctx.grid)
-        dQ, dD = backward_impl(grad, Q, D, argmax, normalize, deterministic, impl, rg, tuple(norms) or None)
-        if views is not None:
-            dQ, dD = view_as_given(dQ, views.q), view_as_given(dD, views.d)
+        dQ, dD = backward_impl(grad, Q, D, argmax, normalize, deterministic, impl, rg, tuple(norms) or None, views)
         return dQ, dD, None
 
 

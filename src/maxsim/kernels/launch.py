@@ -610,26 +610,30 @@ def backward(
     deterministic: bool,
     rg: Ragged | None = None,
     norms: tuple[Tensor, Tensor] | None = None,
+    views: Views | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(dQ like Q, dD like D)`` from the saved argmax; ``deterministic`` forbids atomics (bitwise reproducible).
     ``norms``: the inverse norms the forward computed (:func:`forward_keeping_norms`), else computed here.
+    ``views``: ``Q`` and ``D`` are the caller's tensors, read as ``view_as_canonical`` of them; the gradients come
+    back in the caller's shapes (an allocation of that shape has the canonical view's layout).
 
     Calls reuse a plan keyed by shapes, strides, dtypes and flags (never values), like the forward."""
     Q, D = _last_dim_contiguous(Q), _last_dim_contiguous(D)
     if grad.dtype != torch.float32:
         grad = grad.to(torch.float32)
     key = (
-        Q.device, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype, grad.shape, grad.stride(),
+        Q.device, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype, grad.shape, grad.stride(), views,
         normalize, deterministic, torch.get_float32_matmul_precision() if Q.dtype == torch.float32 else None,
         _ragged_key(rg), PAIR_SCAN_MAX_WORK,
         SHARED_OWNER_MAX_WORK, FUSED_SCATTER, SORTED_DD_MIN_LINKS, SORTED_DD_WARPS, dd_gather.CHUNK,
     )  # fmt: skip
     plan = _bplans.get(key)
     if plan is None:
-        Nq, Lq, Bd, K, Ld, dim = dims(Q, D, rg)
+        Qc, Dc = (Q, D) if views is None else (view_as_canonical(Q, views.q), view_as_canonical(D, views.d))
+        Nq, Lq, Bd, K, Ld, dim = dims(Qc, Dc, rg)
         if Nq == 0 or K == 0 or Lq == 0 or Ld == 0:
             return torch.zeros_like(Q), torch.zeros_like(D)
-        plan = _backward_plan(grad, Q, D, normalize, deterministic, rg, _segs(Q, D, rg))
+        plan = _backward_plan(grad, Qc, Dc, normalize, deterministic, rg, _segs(Qc, Dc, rg))
         if len(_bplans) >= _MAX_PLANS:
             _bplans.clear()
         _bplans[key] = plan
