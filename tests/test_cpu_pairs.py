@@ -1,6 +1,6 @@
 """The CPU path of pair lists (``maxsim.maxsim_pairs_varlen`` on CPU tensors, PyTorch backend): the pairs regrouped
 by query into candidate blocks (:func:`maxsim.cpu_ragged._pairs_by_query`, rows from
-:func:`maxsim.cpu_ragged._pair_rows`).
+:func:`maxsim.cpu_ragged._pair_rows`) and the link-list backward in blocks of links.
 
 * random pair lists (any order, repeats, queries with no pair or with many more than others, empty sequences,
   every dtype, ``normalize``, ``max_seqlen_*`` above the longest) against the float64 reference: scores, argmax,
@@ -58,13 +58,14 @@ def _random_case(seed: int) -> Ragged:
 
 RANDOM_SEEDS = list(range(24))
 
-# (PAIR_BLOCK_BYTES, BY_LENGTH_MIN_WORK)
+# (PAIR_BLOCK_BYTES, BY_LENGTH_MIN_WORK, LINK_BLOCK_BYTES)
 SETTINGS = {
     "defaults": None,
-    # a few slots per block: many blocks, queries with many pairs split over several rows, several count classes
-    "small-blocks": (1 << 12, None),
+    # a few slots per block: many blocks, queries with many pairs split over several rows, several count classes,
+    # and the backward's links in blocks of one pair
+    "small-blocks": (1 << 12, None, 1),
     # pairs grouped by their document's length class first
-    "length-classes": (None, 0),
+    "length-classes": (None, 0, None),
 }
 
 
@@ -87,7 +88,7 @@ def _apply(monkeypatch, setting: str) -> None:
     values = SETTINGS[setting]
     if values is None:
         return
-    for name, value in zip(("PAIR_BLOCK_BYTES", "BY_LENGTH_MIN_WORK"), values, strict=True):
+    for name, value in zip(("PAIR_BLOCK_BYTES", "BY_LENGTH_MIN_WORK", "LINK_BLOCK_BYTES"), values, strict=True):
         if value is not None:
             monkeypatch.setattr(cpu_ragged, name, value)
 
@@ -242,3 +243,27 @@ def test_tensors_off_the_cpu_are_never_read():
         torch.zeros(4, dtype=torch.int64, **meta), torch.zeros(4, dtype=torch.int64, **meta), 4, 5,
     )  # fmt: skip
     assert cpu_ragged._pairs_by_query(torch.empty(6, 8, **meta), torch.empty(7, 8, **meta), False, True, rg) is None
+
+
+# ----------------------------------------------------------------------------------------------------
+# the backward in blocks of links
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("fn", ["varlen", "pairs"])
+def test_link_blocks_do_not_change_the_gradients(fn, normalize, monkeypatch):
+    """The packed backward adds its links block after block in link order: blocks of one pair's links give the
+    gradients of a single block, bitwise (many pairs share query and document tokens)."""
+    pairs = None if fn == "varlen" else tuple((i % 3, (5 * i) % 4) for i in range(14))
+    case = Ragged((17, 5, 33), (40, 1, 16, 70), pairs=pairs, dim=32, normalize=normalize, return_argmax=False)
+    b = build(case, "cpu")
+    grads = []
+    for budget in (1 << 30, 1):
+        monkeypatch.setattr(cpu_ragged, "LINK_BLOCK_BYTES", budget)
+        Q, D = b.Q.detach().clone().requires_grad_(), b.D.detach().clone().requires_grad_()
+        with maxsim.backend("torch"):
+            s = lib_call(case, b, Q, D)
+        s.backward(torch.linspace(-1, 2, s.numel()).view(s.shape))
+        grads.append((Q.grad, D.grad))
+    for name, x, y in zip(("dQ", "dD"), grads[0], grads[1], strict=True):
+        assert torch.equal(x, y), f"{name}: blocks of links change it (max |diff| {(x - y).abs().max()})"
