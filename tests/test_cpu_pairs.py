@@ -267,3 +267,45 @@ def test_link_blocks_do_not_change_the_gradients(fn, normalize, monkeypatch):
         grads.append((Q.grad, D.grad))
     for name, x, y in zip(("dQ", "dD"), grads[0], grads[1], strict=True):
         assert torch.equal(x, y), f"{name}: blocks of links change it (max |diff| {(x - y).abs().max()})"
+
+
+@pytest.mark.parametrize(
+    "cu_d,pair_q,pair_d",
+    [((0, 5, 12), (0, 1, 1, 0), (1, 0, 1, 0)), ((0, 5, 12), (0, 2, 1, 0), (1, 0, 1, 0)),
+     ((0, 5, 12), (0, 1, -1, 0), (1, 0, 1, 0)), ((0, 5, 12), (0, 1, 1, 0), (1, 0, 2, 0)),
+     ((-2, 5, 12), (0, 1, 1, 0), (1, 0, 1, 0)), ((0, 5, 13), (0, 1, 1, 0), (1, 0, 1, 0)),
+     ((0, 9, 5), (0, 1, 1, 0), (1, 0, 1, 0)), ((0, 5, 12), None, None), ((-2, 5, 13), None, None)],
+    ids=["in-range", "query-id-too-large", "query-id-negative", "document-id-too-large", "negative-offset",
+         "offset-past-the-rows", "decreasing-offsets", "varlen", "varlen-bad-offsets"],
+)  # fmt: skip
+def test_backward_without_checks_only_where_they_change_nothing(cu_d, pair_q, pair_d, monkeypatch):
+    """The packed backward skips its clamps and its filter of pairs with ids out of range only when every offset
+    and id is in range: its gradients equal those of the checked backward, bitwise, with ids or offsets out of
+    range too (unvalidated inputs: the pairs concerned score NaN)."""
+    g = torch.Generator().manual_seed(11)
+    Q, D = torch.randn(10, 8, generator=g), torch.randn(12, 8, generator=g)
+    cu_q, cu_d = torch.tensor([0, 4, 10]), torch.tensor(cu_d)
+    kw = dict(max_seqlen_q=6, max_seqlen_d=9, validate=False)
+    grads = []
+    for checked in (False, True):
+        if checked:
+            monkeypatch.setattr(cpu_ragged, "_in_range", lambda *args: False)
+        q, d = Q.clone().requires_grad_(), D.clone().requires_grad_()
+        with maxsim.backend("torch"):
+            if pair_q is None:
+                s = maxsim.maxsim_varlen(q, d, cu_q, cu_d, **kw)
+            else:
+                s = maxsim.maxsim_pairs_varlen(q, d, cu_q, cu_d, torch.tensor(pair_q), torch.tensor(pair_d), **kw)
+        s.backward(torch.linspace(-1, 2, s.numel()).view(s.shape))
+        grads.append((q.grad, d.grad))
+    for name, x, y in zip(("dQ", "dD"), grads[0], grads[1], strict=True):
+        assert torch.equal(x, y), f"{name}: differs from the checked backward (max |diff| {(x - y).abs().max()})"
+    if pair_q is not None and cu_d[0] == 0 and cu_d[-1] == 12:
+        # a pair with an id out of range contributes nothing: the gradients of the other pairs alone
+        keep = torch.tensor([0 <= i < 2 and 0 <= j < 2 for i, j in zip(pair_q, pair_d, strict=True)])
+        q, d = Q.clone().requires_grad_(), D.clone().requires_grad_()
+        pq, pd = torch.tensor(pair_q)[keep], torch.tensor(pair_d)[keep]
+        with maxsim.backend("torch"):
+            s = maxsim.maxsim_pairs_varlen(q, d, cu_q, cu_d, pq, pd, **kw)
+        s.backward(torch.linspace(-1, 2, len(pair_q))[keep])
+        assert torch.equal(q.grad, grads[0][0]) and torch.equal(d.grad, grads[0][1])

@@ -534,6 +534,21 @@ still in cache (this 2-core CPU, fp32, dim 128, one thread, the backward alone o
 78 ms in blocks of a quarter of ``BLOCK_BYTES``, 52 ms in blocks of 1 MiB; 256 pairs of ``32 x 64``: 13.4 -> 4.2 ms)."""
 
 
+def _in_range(rg: Ragged, rows_q: int, rows_d: int) -> bool:
+    """Every offset of ``rg`` within ``[0, rows]`` and every pair id (if any) within ``[0, N)``, read in one go from
+    CPU tensors (the caller's: the packed backward runs on the CPU only). Then a valid link of the argmax (a token
+    before the end of its query, choosing one before the end of its document) lies within the rows: no clamp is
+    needed, and no pair scored NaN for an id out of range."""
+    tensors = [rg.q_seg, rg.d_seg] + ([] if rg.pair_q is None else [rg.pair_q, rg.pair_d])
+    if min(t.numel() for t in tensors) == 0:
+        return False  # (nothing to read: the checked path)
+    ends = torch.stack([x for t in tensors for x in t.aminmax()]).tolist()  # (CPU values: no sync)
+    q_lo, q_hi, d_lo, d_hi, *ids = ends
+    if min(q_lo, d_lo) < 0 or q_hi > rows_q or d_hi > rows_d:
+        return False
+    return not ids or (min(ids[0], ids[2]) >= 0 and ids[1] < rg.q_seg.numel() - 1 and ids[3] < rg.d_seg.numel() - 1)
+
+
 def _packed_backward(
     grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, normalize: bool, rg: Ragged
 ) -> tuple[Tensor, Tensor]:
@@ -549,13 +564,16 @@ def _packed_backward(
     dQ, dD = torch.zeros_like(Qa), torch.zeros_like(Da)
     rows_q, rows_d, Lq = Q.shape[0], D.shape[0], argmax.shape[-1]
     if rows_q and rows_d and argmax.numel():
-        # Segment starts clamped as in the forward's gathers (_segment_rows), so the rows are the ones it scored.
-        start_q = rg.q_seg[:-1].long().clamp(0, rows_q)
-        start_d = rg.d_seg[:-1].long().clamp(0, rows_d)
+        in_range = _in_range(rg, rows_q, rows_d)
+        # Segment starts clamped as in the forward's gathers (_segment_rows), so the rows are the ones it scored;
+        # with offsets and ids in range the clamps and the filter below change nothing, and are skipped.
+        start_q, start_d = rg.q_seg[:-1], rg.d_seg[:-1]
+        if not in_range:
+            start_q, start_d = start_q.long().clamp(0, rows_q), start_d.long().clamp(0, rows_d)
         links = argmax.reshape(-1, Lq)  # [G, Lq]: one row per scored (query, document) pair
         g = grad.to(acc).reshape(-1)
         if rg.pair_q is not None:
-            qi, di, bad = _pair_ids(rg, start_q.shape[0], start_d.shape[0])
+            qi, di, bad = (rg.pair_q, rg.pair_d, None) if in_range else _pair_ids(rg, len(start_q), len(start_d))
         else:
             qi = torch.arange(start_q.shape[0]).repeat_interleave(start_d.shape[0])
             di = torch.arange(start_d.shape[0]).repeat(start_q.shape[0])
@@ -568,8 +586,10 @@ def _packed_backward(
             if bad is not None:
                 keep = ~bad.index_select(0, pair)
                 f, pair = f[keep], pair[keep]
-            rq = (start_q.index_select(0, qi.index_select(0, pair)) + f % Lq).clamp(max=rows_q - 1)
-            rd = (start_d.index_select(0, di.index_select(0, pair)) + a.index_select(0, f)).clamp(0, rows_d - 1)
+            rq = start_q.index_select(0, qi.index_select(0, pair)) + f % Lq
+            rd = start_d.index_select(0, di.index_select(0, pair)) + a.index_select(0, f)
+            if not in_range:
+                rq, rd = rq.clamp(max=rows_q - 1), rd.clamp(0, rows_d - 1)
             cpu.add_links(dQ, dD, Qr, Dr, rq, rd, g.index_select(0, pair), link_inv_q, link_inv_d)
     if normalize:
         dQ, dD = cpu.project_chosen(dQ, Qa, norm_q, inv_q), cpu.project_chosen(dD, Da, norm_d, inv_d)
