@@ -146,6 +146,20 @@ def test_exact_ties_equal_the_checked_path(case, dtype, setting, monkeypatch):
     assert torch.equal(fast[0].double(), rs) and torch.equal(fast[1].long(), rarg)
 
 
+@pytest.mark.parametrize("d_lens", [(9, 9, 9, 9), (9, 4, 9, 2), (9, 9, 9, 2)], ids=["uniform", "skewed", "short-last"])
+def test_documents_copied_as_slabs(d_lens, monkeypatch):
+    """Documents whose ``[Ld, dim]`` slab lies within D are copied whole (an overlapping view of D's rows), the
+    others (a short document at D's very end) row by row: the checked path's results either way, bitwise."""
+    windows = []
+    real = cpu_ragged._windows
+    monkeypatch.setattr(cpu_ragged, "_windows", lambda *args: windows.append(args[1]) or real(*args))
+    case = Ragged((6, 6, 6), d_lens, pairs=EXACT_CASES[0].pairs, dim=8, exact=True)
+    fast, checked = _results(case, True, monkeypatch), _results(case, False, monkeypatch)
+    for name, x, y in zip(("scores", "argmax", "dQ", "dD"), fast, checked, strict=True):
+        assert torch.equal(x, y), f"{name}: regrouped {x.tolist()} != checked {y.tolist()}"
+    assert windows == ([] if d_lens[-1] < 9 else [9]), windows
+
+
 # ----------------------------------------------------------------------------------------------------
 # NaN
 

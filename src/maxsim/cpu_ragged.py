@@ -316,10 +316,22 @@ class _Sequences:
             if q_lo < lq:  # a shorter query's padding reads the rows after it (masked), up to the last row
                 q_rows, q_mask = q_rows.clamp(max=self.Q.shape[0] - 1), t[:lq] < q_len[:, None]
             Qb = _gather(self.Q, q_rows)
-        d_rows = self.d_seg.index_select(0, flat).view(docs.shape)[..., None] + t[:ld]
-        if d_lo < ld:
-            d_rows, d_mask = d_rows.clamp(max=self.D.shape[0] - 1), t[:ld] < d_len[..., None]
-        return cpu.forward(Qb, _gather(self.D, d_rows), q_mask, d_mask, normalize, need_argmax)
+        d_start = self.d_seg.index_select(0, flat)
+        if d_lo < ld:  # a shorter document's padding is the rows after it (masked)
+            d_mask = t[:ld] < d_len[..., None]
+        # Whole [ld, dim] slabs where every document's slab lies within D (all but a short one at its very end).
+        if ld and (d_lo == ld or int(d_start.max()) + ld <= self.D.shape[0]):  # (CPU values: no sync)
+            Db = _windows(self.D, ld).index_select(0, d_start).view(*docs.shape, ld, self.D.shape[1])
+        else:
+            Db = _gather(self.D, (d_start.view(docs.shape)[..., None] + t[:ld]).clamp(max=self.D.shape[0] - 1))
+        return cpu.forward(Qb, Db, q_mask, d_mask, normalize, need_argmax)
+
+
+def _windows(x: Tensor, width: int) -> Tensor:
+    """Every run of ``width`` consecutive rows of ``x [rows, dim]`` (``width <= rows``), as an overlapping view
+    ``[rows - width + 1, width, dim]``: ``index_select`` of it copies whole slabs, faster than row by row."""
+    rows, dim = x.shape
+    return x.as_strided((rows - width + 1, width, dim), (x.stride(0), x.stride(0), x.stride(1)))
 
 
 def _both_packed_on_cpu(Q: Tensor, D: Tensor, rg: Ragged) -> bool:
