@@ -547,18 +547,19 @@ still in cache (this 2-core CPU, fp32, dim 128, one thread, the backward alone o
 
 
 def _in_range(rg: Ragged, rows_q: int, rows_d: int) -> bool:
-    """Every offset of ``rg`` within ``[0, rows]`` and every pair id (if any) within ``[0, N)``, read in one go from
-    CPU tensors (the caller's: the packed backward runs on the CPU only). Then a valid link of the argmax (a token
-    before the end of its query, choosing one before the end of its document) lies within the rows: no clamp is
-    needed, and no pair scored NaN for an id out of range."""
-    tensors = [rg.q_seg, rg.d_seg] + ([] if rg.pair_q is None else [rg.pair_q, rg.pair_d])
+    """A pair list whose offsets all lie within ``[0, rows]`` and whose pair ids all lie within ``[0, N)``, read in
+    one go from CPU tensors (the caller's: the packed backward runs on the CPU only). Then a valid link of the
+    argmax (a token before the end of its query, choosing one before the end of its document) lies within the rows,
+    so no clamp is needed, and no pair scored NaN for an id out of range."""
+    tensors = (rg.q_seg, rg.d_seg, rg.pair_q, rg.pair_d)
     if min(t.numel() for t in tensors) == 0:
         return False  # (nothing to read: the checked path)
-    ends = torch.stack([x for t in tensors for x in t.aminmax()]).tolist()  # (CPU values: no sync)
-    q_lo, q_hi, d_lo, d_hi, *ids = ends
-    if min(q_lo, d_lo) < 0 or q_hi > rows_q or d_hi > rows_d:
+    q_lo, q_hi, d_lo, d_hi, pq_lo, pq_hi, pd_lo, pd_hi = torch.stack(
+        [x for t in tensors for x in t.aminmax()]
+    ).tolist()  # (CPU values: no sync)
+    if min(q_lo, d_lo, pq_lo, pd_lo) < 0 or q_hi > rows_q or d_hi > rows_d:
         return False
-    return not ids or (min(ids[0], ids[2]) >= 0 and ids[1] < rg.q_seg.numel() - 1 and ids[3] < rg.d_seg.numel() - 1)
+    return pq_hi < rg.q_seg.numel() - 1 and pd_hi < rg.d_seg.numel() - 1
 
 
 def _packed_backward(
@@ -576,7 +577,8 @@ def _packed_backward(
     dQ, dD = torch.zeros_like(Qa), torch.zeros_like(Da)
     rows_q, rows_d, Lq = Q.shape[0], D.shape[0], argmax.shape[-1]
     if rows_q and rows_d and argmax.numel():
-        in_range = _in_range(rg, rows_q, rows_d)
+        # (a pair list's only: the read costs more than the clamps it saves a varlen cross product)
+        in_range = rg.pair_q is not None and _in_range(rg, rows_q, rows_d)
         # Segment starts clamped as in the forward's gathers (_segment_rows), so the rows are the ones it scored;
         # with offsets and ids in range the clamps and the filter below change nothing, and are skipped.
         start_q, start_d = rg.q_seg[:-1], rg.d_seg[:-1]
