@@ -373,12 +373,6 @@ passes over the similarity block cost more than the padding they avoid (this 2-c
 lengths 20..1000: 7.8M similarities 178 ms packed against 189 padded, 164M 1038 against 834)."""
 
 
-def _positions(lengths: Tensor) -> Tensor:
-    """Each row's position within its segment, for consecutive segments of ``lengths``."""
-    starts = torch.cumsum(lengths, 0) - lengths
-    return torch.arange(int(lengths.sum())) - torch.repeat_interleave(starts, lengths)
-
-
 def _packed_cross(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: Ragged) -> tuple[Tensor, Tensor] | None:
     """Varlen cross product on the CPU without padding: one GEMM of the packed tokens per block (``[query rows,
     document rows]``, real similarities only), the max over each document's columns and the sum over each query's
@@ -410,7 +404,8 @@ def _packed_cross(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: 
             Qb = Qb * cpu._inv_norm(Qb)[:, None]
         if need_argmax:  # the (query, token) slot of each packed query row
             lengths_q = q_len_t[qi0:qi1]
-            slots = torch.repeat_interleave(torch.arange(qi0, qi1), lengths_q) * max_q + _positions(lengths_q)
+            q_of_row = torch.repeat_interleave(torch.arange(qi0, qi1), lengths_q, output_size=r1 - r0)
+            slots = q_of_row * max_q + (torch.arange(r0, r1) - rg.q_seg.index_select(0, q_of_row))
         for di0, di1 in _chunks(d_off, max(1, cpu.BLOCK_BYTES // (itemsize * (r1 - r0)))):
             c0, c1 = d_off[di0], d_off[di1]
             if c1 == c0:
@@ -427,9 +422,11 @@ def _packed_cross(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: 
                 torch.where(has_tokens, best, best.new_zeros(())), "sum", lengths=q_len_t[qi0:qi1], axis=0, unsafe=True
             )  # (an empty segment's max is -inf)
             if need_argmax:
-                doc_of_col = torch.repeat_interleave(torch.arange(di1 - di0), lengths)
+                doc_of_col = torch.repeat_interleave(torch.arange(di1 - di0), lengths, output_size=c1 - c0)
                 hit = (sim == best.index_select(1, doc_of_col)) | torch.isnan(sim)
-                pos = torch.where(hit, _positions(lengths).to(acc), float("inf"))
+                # each column's position in its document: its row less the document's first row
+                in_doc = (torch.arange(c0, c1) - rg.d_seg[di0:di1].index_select(0, doc_of_col)).to(acc)
+                pos = torch.where(hit, in_doc, float("inf"))
                 first = torch.segment_reduce(pos, "min", lengths=seg, axis=1, unsafe=True)
                 arg = torch.where(has_tokens, first, -1.0).to(torch.int32)
                 arg_rows[:, di0:di1].index_copy_(0, slots, arg)
