@@ -438,7 +438,7 @@ def _packed_cross(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: 
 def _length_classes(lengths: Tensor) -> list[tuple[Tensor, int]]:
     """``(indices, longest)`` of each length class (lengths in ``(2^(c-1), 2^c]``; 0 and 1 share the first).
 
-    CPU tensors only (both callers check the device first): reading the classes and maxima back is free there,
+    CPU tensors only (every caller checks the device first): reading the classes and maxima back is free there,
     whereas on a GPU it would be a host sync per call."""
     length_class = torch.ceil(torch.log2(lengths.clamp(min=1).double())).long()
     groups = []
