@@ -4,8 +4,9 @@ and route the gradients back to the packed rows.
 The padded blocks are copies (``[Nq, max_q, dim]`` and ``[Nd, max_d, dim]``; for a pair list one block of pairs at
 a time, within :data:`maxsim.cpu.BLOCK_BYTES`), which is fine off the GPU, where this path runs. Out-of-range
 offsets, lengths or pair ids give NaN scores, as in the kernels. No host↔device sync beyond what PyTorch ops do,
-except on CPU tensors, where reading values back is free: large skewed batches are grouped by length class there, and
-a varlen cross product with well-formed offsets needs no padding at all (:func:`_packed_cross`).
+except on CPU tensors, where reading values back is free: large skewed batches are grouped by length class there, a
+varlen cross product with well-formed offsets needs no padding at all (:func:`_packed_cross`), and a pair list is
+regrouped by query into candidate blocks (:func:`_pairs_by_query`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from torch import Tensor
 
 from . import cpu
-from .layout import Ragged
+from .layout import Ragged, accum_dtype
 
 
 def _segment_rows(seg: Tensor, rows: int, max_len: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -107,18 +108,18 @@ def forward(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: Ragged
 
 
 def _forward_pairs(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: Ragged) -> tuple[Tensor, Tensor]:
-    """Pair lists, one block of pairs at a time, gathered straight from the packed rows (no padded copy of Q or
-    D as a whole). Large problems on the CPU group the pairs by their document's length class first, each group
-    padded to its own longest document (see :func:`_forward_by_length`)."""
-    rows = _well_formed_pair_rows(Q, D, rg)
-    if rows is not None:  # (no out-of-range flags to carry)
-        q_idx, q_valid, d_idx, d_valid, pq, pd = rows
-        bad = None
-    else:
-        q_idx, q_valid, q_bad = _segment_rows(rg.q_seg, Q.shape[0], rg.max_q)
-        d_idx, d_valid, d_bad = _segment_rows(rg.d_seg, D.shape[0], rg.max_d)
-        pq, pd, bad = _pair_ids(rg, q_idx.shape[0], d_idx.shape[0])
-        bad = bad | q_bad[pq] | d_bad[pd]
+    """Pair lists. On the CPU with offsets and pair ids in range: the pairs regrouped by query
+    (:func:`_pairs_by_query`). Elsewhere (other devices, or ids / offsets out of range, which score NaN), one block
+    of pairs at a time, gathered straight from the packed rows (no padded copy of Q or D as a whole); large problems
+    on the CPU group the pairs by their document's length class first, each group padded to its own longest
+    document (see :func:`_forward_by_length`)."""
+    out = _pairs_by_query(Q, D, normalize, need_argmax, rg)
+    if out is not None:
+        return out
+    q_idx, q_valid, q_bad = _segment_rows(rg.q_seg, Q.shape[0], rg.max_q)
+    d_idx, d_valid, d_bad = _segment_rows(rg.d_seg, D.shape[0], rg.max_d)
+    pq, pd, bad = _pair_ids(rg, q_idx.shape[0], d_idx.shape[0])
+    bad = bad | q_bad[pq] | d_bad[pd]
     P, Lq, Ld, dim = pq.shape[0], rg.max_q, rg.max_d, Q.shape[-1]
 
     def block(bq: Tensor, bd: Tensor, width: int) -> tuple[Tensor, Tensor]:
@@ -146,34 +147,191 @@ def _forward_pairs(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg:
                 scores[0, sel] = s[:, 0]
                 if need_argmax:
                     argmax[0, sel] = a[:, 0]
-    return (scores if bad is None else scores.masked_fill(bad[None, :], float("nan"))), argmax
+    return scores.masked_fill(bad[None, :], float("nan")), argmax
 
 
-def _well_formed_pair_rows(Q: Tensor, D: Tensor, rg: Ragged) -> tuple[Tensor, ...] | None:
-    """On the CPU, where reading values back is free: ``(q_idx, q_valid, d_idx, d_valid, pair_q, pair_d)`` as
-    :func:`_segment_rows` and :func:`_pair_ids` give them, when every offset and pair id is in range (so no flags
-    are needed); else None."""
-    if Q.device.type != "cpu" or Q.dim() != 2 or D.dim() != 2:
+PAIR_BLOCK_BYTES = 4 << 20
+"""Budget of one block of :func:`_pairs_by_query` (its similarities plus its copy of the documents, in the
+accumulation dtype), below :data:`maxsim.cpu.BLOCK_BYTES`: the documents are gathered into the block and read back
+by its GEMM at once, which is fastest while both stay in cache (this 2-core CPU, fp32, dim 128, 1024 pairs of
+``Lq 32 x Ld 180``: budgets of 1/2/4/8/16/32 MiB took 40/33/31/33/42/42 ms, one thread)."""
+
+
+def _pairs_by_query(
+    Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: Ragged
+) -> tuple[Tensor, Tensor] | None:
+    """A pair list on the CPU, regrouped by query: each query's pairs become one row of a candidates block
+    ``Q [rows, Lq, dim]`` against ``D [rows, k, Ld, dim]`` (:func:`maxsim.cpu.forward`: one batched GEMM of ``k·Ld``
+    columns per query, the padded path's shape, and Q read once per query rather than copied once per pair), and
+    the results go back to pair order. Returns scores ``[1, P]`` (fp32; fp64 for fp64 inputs) and argmax
+    ``[1, P, max_q]`` int32 (``[0]`` if not asked for), or None (see below).
+
+    Rows (:func:`_pair_rows`) hold at most a block's worth of pairs, and rows holding far fewer pairs than others
+    go to blocks of their own, so unused slots never cost more than used ones; large problems first group the pairs
+    by their document's length class (as :func:`_forward_by_length`). Each block is padded to its own longest query
+    and document, and masked only where a sequence is shorter than that. A pair's score and argmax depend on its
+    own tokens only, so they are those of one padded call over every pair.
+
+    None when a tensor is not on the CPU, an offset or pair id is out of range (the checked path of
+    :func:`_forward_pairs` gives those pairs NaN), or there is nothing to regroup: the values read back here are
+    free to read on the CPU only."""
+    if not (_both_packed_on_cpu(Q, D, rg) and rg.pair_q.device.type == "cpu" and rg.pair_d.device.type == "cpu"):
         return None
-    q = _well_formed(rg.q_seg, Q.shape[0], rg.max_q)
-    d = _well_formed(rg.d_seg, D.shape[0], rg.max_d)
-    if q is None or d is None:
+    # (int32 or int64 alike: every op below takes either, and no sum of them exceeds the offsets)
+    q_seg, d_seg, pq, pd = rg.q_seg, rg.d_seg, rg.pair_q, rg.pair_d
+    n_q, n_d, P = q_seg.shape[0] - 1, d_seg.shape[0] - 1, pq.shape[0]
+    if P == 0 or n_q == 0 or n_d == 0:
+        return None  # (no pair, or every id out of range)
+    max_q, max_d, dim = rg.max_q, rg.max_d, Q.shape[1]
+    q_len, d_len = q_seg.diff(), d_seg.diff()
+    ends = [q_seg[0], q_seg[-1], *q_len.aminmax(), d_seg[0], d_seg[-1], *d_len.aminmax(), *pq.aminmax(), *pd.aminmax()]
+    q0, q1, q_lo, q_hi, d0, d1, d_lo, d_hi, pq_lo, pq_hi, pd_lo, pd_hi = torch.stack(ends).tolist()  # (CPU: no sync)
+    if min(q0, q_lo, d0, d_lo, pq_lo, pd_lo) < 0 or q1 > Q.shape[0] or d1 > D.shape[0]:
         return None
-    for ids, n in ((rg.pair_q, len(q[1])), (rg.pair_d, len(d[1]))):
-        if ids.device.type != "cpu":
-            return None  # (the checked path: no read-back off the CPU)
-        if ids.numel():
-            lo, hi = ids.aminmax()
-            if lo < 0 or hi >= n:  # (a read of CPU values: no sync)
-                return None
-    return (*_rows(rg.q_seg, Q.shape[0], rg.max_q), *_rows(rg.d_seg, D.shape[0], rg.max_d), rg.pair_q, rg.pair_d)
+    if q_hi > max_q or d_hi > max_d or pq_hi >= n_q or pd_hi >= n_d:
+        return None
+    acc = accum_dtype(Q.dtype)
+    scores = torch.empty(P, dtype=acc)
+    argmax = torch.full((P, max_q) if need_argmax else (0,), -1, dtype=torch.int32)
+    seq = _Sequences(Q, D, q_seg, q_len, d_seg, d_len, (q_lo, q_hi), (d_lo, d_hi))
+    budget = min(cpu.BLOCK_BYTES, PAIR_BLOCK_BYTES)
+    groups: list[tuple[Tensor | None, int]] = [(None, max_d)]
+    if P * max_q * max_d >= BY_LENGTH_MIN_WORK:
+        groups = _length_classes(d_len.index_select(0, pd))
+    for ids, width in groups:
+        gq, gd = (pq, pd) if ids is None else (pq.index_select(0, ids), pd.index_select(0, ids))
+        # a slot (one pair) costs its similarities and its copy of the document
+        per_slot = max(1, width * (max_q + dim) * (torch.finfo(acc).bits // 8))
+        for order, row_q, slot, k, row_end in _pair_rows(gq, n_q, max(1, budget // per_slot)):
+            docs = gd.index_select(0, order)
+            pairs = order if ids is None else ids.index_select(0, order)
+            n_rows = n_q if row_q is None else row_q.shape[0]
+            step = max(1, budget // (per_slot * k))
+            for r0 in range(0, n_rows, step):
+                r1 = min(n_rows, r0 + step)
+                # the block's pairs: a run of the sorted ones (its rows are consecutive)
+                p0, p1 = (r0 * k, r1 * k) if row_end is None else (row_end[r0 - 1] if r0 else 0, row_end[r1 - 1])
+                whole = p0 == 0 and p1 == docs.shape[0]  # (no slices to take: a few µs each)
+                block_docs, block_pairs = (docs, pairs) if whole else (docs[p0:p1], pairs[p0:p1])
+                sel = None
+                if slot is not None:  # rows with fewer pairs than k: the unused slots score a document, unread
+                    sel = slot[p0:p1] - r0 * k
+                    grid = torch.full(((r1 - r0) * k,), int(block_docs[0]), dtype=block_docs.dtype)
+                    block_docs = grid.index_copy_(0, sel, block_docs)
+                rows = slice(r0, r1) if row_q is None else row_q[r0:r1]
+                s, a = seq.score(rows, block_docs.view(r1 - r0, k), normalize, need_argmax)
+                s = s.view(-1) if sel is None else s.view(-1).index_select(0, sel)
+                scores.index_copy_(0, block_pairs, s)
+                if need_argmax and a.shape[-1]:  # (a block of queries without tokens: -1 throughout, as filled)
+                    lq = a.shape[-1]
+                    a = a.view(-1, lq) if sel is None else a.view(-1, lq).index_select(0, sel)
+                    argmax[:, :lq].index_copy_(0, block_pairs, a)
+    return scores.view(1, P), (argmax.view(1, P, max_q) if need_argmax else argmax)
 
 
-def _rows(seg: Tensor, rows: int, max_len: int) -> tuple[Tensor, Tensor]:
-    """:func:`_segment_rows` of offsets known to be in range: ``(row index [N, max_len], valid [N, max_len])``."""
-    t = torch.arange(max_len)
-    start = seg[:-1].long()
-    return (start[:, None] + t).clamp(max=max(rows - 1, 0)), t < (seg[1:].long() - start)[:, None]
+def _pair_rows(pair_q: Tensor, n_q: int, cap: int):
+    """The pairs of ``pair_q [P]`` (query ids in ``[0, n_q)``, CPU) as rows of at most ``cap`` pairs of one
+    query each, in pair order: one row per query when no query has more than ``cap`` pairs and each has more than
+    half as many as the one with the most, else classes of rows holding ``(2^(c-1), 2^c]`` pairs.
+
+    Yields per class ``(order, row_q, slot, k, row_end)``: ``order [n]`` the class's pairs (positions in
+    ``pair_q``) row after row, ``row_q [R]`` each row's query (None: every query, in order), ``k`` the most pairs a
+    row holds and, where some row holds fewer, ``slot [n]`` each pair's slot ``row · k + column`` in ``[R, k]`` and
+    ``row_end`` (a list) where each row ends in ``order``; else None, None (pair ``order[i]`` is slot ``i``)."""
+    # (stable: a query's pairs stay in pair order, so the layout depends on the list alone; any order would score
+    # the same, each pair's results going back to its own position)
+    order = torch.argsort(pair_q, stable=True)
+    counts = torch.bincount(pair_q, minlength=n_q)
+    lo, hi = (int(x) for x in counts.aminmax())  # (CPU values: no sync)
+    if lo == hi and hi <= cap:  # every query, with as many pairs each
+        yield order, None, None, hi, None
+        return
+    queries = counts.nonzero().squeeze(1)
+    per_query = counts.index_select(0, queries)
+    lo = int(per_query.min())
+    if hi <= cap and 2 * lo > hi:  # one row per query that has pairs
+        first = torch.cumsum(per_query, 0) - per_query
+        shift = torch.repeat_interleave(torch.arange(queries.shape[0]) * hi - first, per_query)
+        row_q = None if queries.shape[0] == n_q else queries
+        yield order, row_q, torch.arange(order.shape[0]) + shift, hi, (first + per_query).tolist()
+        return
+    sq = pair_q.index_select(0, order)
+    rank = torch.arange(order.shape[0]) - (torch.cumsum(counts, 0) - counts).index_select(0, sq)
+    chunk = torch.div(rank, cap, rounding_mode="floor")
+    in_row = (counts.index_select(0, sq) - chunk * cap).clamp(max=cap)  # pairs in the pair's row
+    row_class = torch.ceil(torch.log2(in_row.double())).long()
+    by_class = torch.argsort(row_class, stable=True)  # (stable: each row's pairs stay together, in pair order)
+    order, sq, chunk, rank, in_row, row_class = (
+        t.index_select(0, by_class) for t in (order, sq, chunk, rank, in_row, row_class)
+    )
+    new_row = torch.ones(order.shape[0], dtype=torch.bool)
+    new_row[1:] = (sq[1:] != sq[:-1]) | (chunk[1:] != chunk[:-1])
+    row_of = torch.cumsum(new_row, 0) - 1
+    col = rank - chunk * cap
+    row_q, row_n = sq[new_row], in_row[new_row]
+    row_end = torch.cumsum(row_n, 0).tolist()
+    r0 = 0
+    for n_rows in torch.unique_consecutive(row_class[new_row], return_counts=True)[1].tolist():
+        r1 = r0 + n_rows
+        p0, p1 = (row_end[r0 - 1] if r0 else 0), row_end[r1 - 1]
+        lo, hi = (int(x) for x in row_n[r0:r1].aminmax())
+        if lo == hi:
+            yield order[p0:p1], row_q[r0:r1], None, hi, None
+        else:
+            ends = [e - p0 for e in row_end[r0:r1]]
+            yield order[p0:p1], row_q[r0:r1], (row_of[p0:p1] - r0) * hi + col[p0:p1], hi, ends
+        r0 = r1
+
+
+class _Sequences:
+    """Packed ``Q [rows_q, dim]`` and ``D [rows_d, dim]`` with their offsets (known to be in range), lengths, and the
+    range ``(shortest, longest)`` of each side's lengths."""
+
+    def __init__(
+        self, Q: Tensor, D: Tensor, q_seg: Tensor, q_len: Tensor, d_seg: Tensor, d_len: Tensor,
+        q_range: tuple[int, int], d_range: tuple[int, int],
+    ) -> None:  # fmt: skip
+        self.Q, self.D, self.q_seg, self.q_len, self.d_seg, self.d_len = Q, D, q_seg, q_len, d_seg, d_len
+        self.q_range, self.d_range = q_range, d_range
+
+    def score(self, rows: slice | Tensor, docs: Tensor, normalize: bool, need_argmax: bool) -> tuple[Tensor, Tensor]:
+        """Query ``rows[r]`` (a slice of query ids or ``[R]`` ids) against documents ``docs[r, :]`` (``[R, k]``
+        ids) as one candidates block padded to its longest query and document, masked only where some sequence is
+        shorter: :func:`maxsim.cpu.forward`'s ``(scores [R, k], argmax [R, k, Lq])``."""
+        flat = docs.view(-1)
+        q_len = self.q_len[rows] if isinstance(rows, slice) else self.q_len.index_select(0, rows)
+        d_len = None
+        (q_lo, lq), (d_lo, ld) = self.q_range, self.d_range
+        if q_lo < lq or d_lo < ld:  # lengths differ: the block's own range (when all are equal, it is known)
+            d_len = self.d_len.index_select(0, flat).view(docs.shape)
+            q_lo, lq, d_lo, ld = torch.stack([*q_len.aminmax(), *d_len.aminmax()]).tolist()  # (CPU: no sync)
+        t = torch.arange(max(lq, ld))
+        q_mask = d_mask = None
+        if isinstance(rows, slice) and q_lo == lq:  # consecutive queries of one length: a view of their rows
+            r0 = int(self.q_seg[rows.start])
+            Qb = self.Q[r0 : r0 + q_len.shape[0] * lq].view(q_len.shape[0], lq, self.Q.shape[1])
+        else:
+            q_start = self.q_seg[rows] if isinstance(rows, slice) else self.q_seg.index_select(0, rows)
+            q_rows = q_start[:, None] + t[:lq]
+            if q_lo < lq:  # a shorter query's padding reads the rows after it (masked), up to the last row
+                q_rows, q_mask = q_rows.clamp(max=self.Q.shape[0] - 1), t[:lq] < q_len[:, None]
+            Qb = _gather(self.Q, q_rows)
+        d_start = self.d_seg.index_select(0, flat)
+        if d_lo < ld:  # a shorter document's padding is the rows after it (masked)
+            d_mask = t[:ld] < d_len[..., None]
+        # Whole [ld, dim] slabs where every document's slab lies within D (all but a short one at its very end).
+        if ld and (d_lo == ld or int(d_start.max()) + ld <= self.D.shape[0]):  # (CPU values: no sync)
+            Db = _windows(self.D, ld).index_select(0, d_start).view(*docs.shape, ld, self.D.shape[1])
+        else:
+            Db = _gather(self.D, (d_start.view(docs.shape)[..., None] + t[:ld]).clamp(max=self.D.shape[0] - 1))
+        return cpu.forward(Qb, Db, q_mask, d_mask, normalize, need_argmax)
+
+
+def _windows(x: Tensor, width: int) -> Tensor:
+    """Every run of ``width`` consecutive rows of ``x [rows, dim]`` (``width <= rows``), as an overlapping view
+    ``[rows - width + 1, width, dim]``: ``index_select`` of it copies whole slabs, faster than row by row."""
+    rows, dim = x.shape
+    return x.as_strided((rows - width + 1, width, dim), (x.stride(0), x.stride(0), x.stride(1)))
 
 
 def _both_packed_on_cpu(Q: Tensor, D: Tensor, rg: Ragged) -> bool:
@@ -215,12 +373,6 @@ passes over the similarity block cost more than the padding they avoid (this 2-c
 lengths 20..1000: 7.8M similarities 178 ms packed against 189 padded, 164M 1038 against 834)."""
 
 
-def _positions(lengths: Tensor) -> Tensor:
-    """Each row's position within its segment, for consecutive segments of ``lengths``."""
-    starts = torch.cumsum(lengths, 0) - lengths
-    return torch.arange(int(lengths.sum())) - torch.repeat_interleave(starts, lengths)
-
-
 def _packed_cross(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: Ragged) -> tuple[Tensor, Tensor] | None:
     """Varlen cross product on the CPU without padding: one GEMM of the packed tokens per block (``[query rows,
     document rows]``, real similarities only), the max over each document's columns and the sum over each query's
@@ -252,7 +404,8 @@ def _packed_cross(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: 
             Qb = Qb * cpu._inv_norm(Qb)[:, None]
         if need_argmax:  # the (query, token) slot of each packed query row
             lengths_q = q_len_t[qi0:qi1]
-            slots = torch.repeat_interleave(torch.arange(qi0, qi1), lengths_q) * max_q + _positions(lengths_q)
+            q_of_row = torch.repeat_interleave(torch.arange(qi0, qi1), lengths_q, output_size=r1 - r0)
+            slots = q_of_row * max_q + (torch.arange(r0, r1) - rg.q_seg.index_select(0, q_of_row))
         for di0, di1 in _chunks(d_off, max(1, cpu.BLOCK_BYTES // (itemsize * (r1 - r0)))):
             c0, c1 = d_off[di0], d_off[di1]
             if c1 == c0:
@@ -269,9 +422,11 @@ def _packed_cross(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: 
                 torch.where(has_tokens, best, best.new_zeros(())), "sum", lengths=q_len_t[qi0:qi1], axis=0, unsafe=True
             )  # (an empty segment's max is -inf)
             if need_argmax:
-                doc_of_col = torch.repeat_interleave(torch.arange(di1 - di0), lengths)
+                doc_of_col = torch.repeat_interleave(torch.arange(di1 - di0), lengths, output_size=c1 - c0)
                 hit = (sim == best.index_select(1, doc_of_col)) | torch.isnan(sim)
-                pos = torch.where(hit, _positions(lengths).to(acc), float("inf"))
+                # each column's position in its document: its row less the document's first row
+                in_doc = (torch.arange(c0, c1) - rg.d_seg[di0:di1].index_select(0, doc_of_col)).to(acc)
+                pos = torch.where(hit, in_doc, float("inf"))
                 first = torch.segment_reduce(pos, "min", lengths=seg, axis=1, unsafe=True)
                 arg = torch.where(has_tokens, first, -1.0).to(torch.int32)
                 arg_rows[:, di0:di1].index_copy_(0, slots, arg)
@@ -283,7 +438,7 @@ def _packed_cross(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: 
 def _length_classes(lengths: Tensor) -> list[tuple[Tensor, int]]:
     """``(indices, longest)`` of each length class (lengths in ``(2^(c-1), 2^c]``; 0 and 1 share the first).
 
-    CPU tensors only (both callers check the device first): reading the classes and maxima back is free there,
+    CPU tensors only (every caller checks the device first): reading the classes and maxima back is free there,
     whereas on a GPU it would be a host sync per call."""
     length_class = torch.ceil(torch.log2(lengths.clamp(min=1).double())).long()
     groups = []
@@ -381,6 +536,29 @@ def _sum_into(out: Tensor, ids: Tensor, values: Tensor, deterministic: bool) -> 
         out.index_put_((ids,), values, accumulate=True)
 
 
+LINK_BLOCK_BYTES = 1 << 20
+"""Budget of one block of links in :func:`_packed_backward` (the rows each link gathers, in the accumulation dtype),
+below :data:`maxsim.cpu.BLOCK_BYTES`: a block's gathered and weighted rows are added into the gradients while
+still in cache (this 2-core CPU, fp32, dim 128, one thread, the backward alone of 1024 pairs of ``Lq 32 x Ld 180``:
+78 ms in blocks of a quarter of ``BLOCK_BYTES``, 52 ms in blocks of 1 MiB; 256 pairs of ``32 x 64``: 13.4 -> 4.2 ms)."""
+
+
+def _in_range(rg: Ragged, rows_q: int, rows_d: int) -> bool:
+    """A pair list whose offsets all lie within ``[0, rows]`` and whose pair ids all lie within ``[0, N)``, read in
+    one go from CPU tensors (the caller's: the packed backward runs on the CPU only). Then a valid link of the
+    argmax (a token before the end of its query, choosing one before the end of its document) lies within the rows,
+    so no clamp is needed, and no pair scored NaN for an id out of range."""
+    tensors = (rg.q_seg, rg.d_seg, rg.pair_q, rg.pair_d)
+    if min(t.numel() for t in tensors) == 0:
+        return False  # (nothing to read: the checked path)
+    q_lo, q_hi, d_lo, d_hi, pq_lo, pq_hi, pd_lo, pd_hi = torch.stack(
+        [x for t in tensors for x in t.aminmax()]
+    ).tolist()  # (CPU values: no sync)
+    if min(q_lo, d_lo, pq_lo, pd_lo) < 0 or q_hi > rows_q or d_hi > rows_d:
+        return False
+    return pq_hi < rg.q_seg.numel() - 1 and pd_hi < rg.d_seg.numel() - 1
+
+
 def _packed_backward(
     grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, normalize: bool, rg: Ragged
 ) -> tuple[Tensor, Tensor]:
@@ -396,18 +574,22 @@ def _packed_backward(
     dQ, dD = torch.zeros_like(Qa), torch.zeros_like(Da)
     rows_q, rows_d, Lq = Q.shape[0], D.shape[0], argmax.shape[-1]
     if rows_q and rows_d and argmax.numel():
-        # Segment starts clamped as in the forward's gathers (_segment_rows), so the rows are the ones it scored.
-        start_q = rg.q_seg[:-1].long().clamp(0, rows_q)
-        start_d = rg.d_seg[:-1].long().clamp(0, rows_d)
+        # (a pair list's only: the read costs more than the clamps it saves a varlen cross product)
+        in_range = rg.pair_q is not None and _in_range(rg, rows_q, rows_d)
+        # Segment starts clamped as in the forward's gathers (_segment_rows), so the rows are the ones it scored;
+        # with offsets and ids in range the clamps and the filter below change nothing, and are skipped.
+        start_q, start_d = rg.q_seg[:-1], rg.d_seg[:-1]
+        if not in_range:
+            start_q, start_d = start_q.long().clamp(0, rows_q), start_d.long().clamp(0, rows_d)
         links = argmax.reshape(-1, Lq)  # [G, Lq]: one row per scored (query, document) pair
         g = grad.to(acc).reshape(-1)
         if rg.pair_q is not None:
-            qi, di, bad = _pair_ids(rg, start_q.shape[0], start_d.shape[0])
+            qi, di, bad = (rg.pair_q, rg.pair_d, None) if in_range else _pair_ids(rg, len(start_q), len(start_d))
         else:
             qi = torch.arange(start_q.shape[0]).repeat_interleave(start_d.shape[0])
             di = torch.arange(start_d.shape[0]).repeat(start_q.shape[0])
             bad = None
-        step = max(1, cpu.BLOCK_BYTES // max(1, Lq * Q.shape[1] * Qa.element_size() * 4))
+        step = max(1, min(cpu.BLOCK_BYTES, LINK_BLOCK_BYTES) // max(1, Lq * Q.shape[1] * Qa.element_size()))
         for g0 in range(0, links.shape[0], step):
             a = links[g0 : g0 + step].reshape(-1)
             f = (a >= 0).nonzero().squeeze(1)  # chosen links, as in cpu._backward_links
@@ -415,8 +597,10 @@ def _packed_backward(
             if bad is not None:
                 keep = ~bad.index_select(0, pair)
                 f, pair = f[keep], pair[keep]
-            rq = (start_q.index_select(0, qi.index_select(0, pair)) + f % Lq).clamp(max=rows_q - 1)
-            rd = (start_d.index_select(0, di.index_select(0, pair)) + a.index_select(0, f)).clamp(0, rows_d - 1)
+            rq = start_q.index_select(0, qi.index_select(0, pair)) + f % Lq
+            rd = start_d.index_select(0, di.index_select(0, pair)) + a.index_select(0, f)
+            if not in_range:
+                rq, rd = rq.clamp(max=rows_q - 1), rd.clamp(0, rows_d - 1)
             cpu.add_links(dQ, dD, Qr, Dr, rq, rd, g.index_select(0, pair), link_inv_q, link_inv_d)
     if normalize:
         dQ, dD = cpu.project_chosen(dQ, Qa, norm_q, inv_q), cpu.project_chosen(dD, Da, norm_d, inv_d)
