@@ -519,19 +519,31 @@ def test_packed_cpu_path_nan_argmax():
 @pytest.mark.parametrize("grad", [False, True], ids=["scores", "with-grad"])
 def test_packed_cpu_path_bad_offsets(cu_d, max_d, bad_doc, grad):
     """Unvalidated offsets out of range or a segment longer than its ``max_seqlen``: the packed CPU path hands the
-    call to the padded one, whose scores are NaN for the document concerned and the reference's for the other."""
+    call to the padded one, whose scores are NaN for the document concerned and the reference's for the other; with
+    gradients (an upstream weight on the good document only), the reference's gradients for that document and
+    exact zeros on every other document row."""
     gen = torch.Generator().manual_seed(5)
     Q, D = torch.randn(10, 8, generator=gen), torch.randn(12, 8, generator=gen)
     cu_q, cu_d_t = torch.tensor([0, 4, 10], dtype=torch.int32), torch.tensor(cu_d, dtype=torch.int32)
+    Qg, Dg = Q.clone().requires_grad_(grad), D.clone().requires_grad_(grad)
     with maxsim.backend("torch"), torch.set_grad_enabled(grad):
-        s = maxsim.maxsim_varlen(
-            Q.clone().requires_grad_(grad), D, cu_q, cu_d_t, max_seqlen_q=6, max_seqlen_d=max_d, validate=False
-        ).detach()
+        s = maxsim.maxsim_varlen(Qg, Dg, cu_q, cu_d_t, max_seqlen_q=6, max_seqlen_d=max_d, validate=False)
     good = 1 - bad_doc
     g0, g1 = cu_d[good], cu_d[good + 1]
-    expected = reference.maxsim_varlen(Q.double(), D[g0:g1].double(), cu_q, torch.tensor([0, g1 - g0]))[:, 0]
+    Qr, Dr = Q.double().requires_grad_(grad), D[g0:g1].double().requires_grad_(grad)
+    expected = reference.maxsim_varlen(Qr, Dr, cu_q, torch.tensor([0, g1 - g0]))[:, 0]
     assert bool(torch.isnan(s[:, bad_doc]).all()), f"document {bad_doc}: expected NaN scores, got {s[:, bad_doc]}"
-    torch.testing.assert_close(s[:, good].double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s[:, good].detach().double(), expected.detach(), rtol=1e-5, atol=1e-5)
+    if grad:
+        upstream = torch.zeros_like(s)
+        upstream[:, good] = 1.0
+        dQ, dD = torch.autograd.grad(s, (Qg, Dg), upstream)
+        rQ, rD = torch.autograd.grad(expected.sum(), (Qr, Dr))
+        torch.testing.assert_close(dQ.double(), rQ, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dD[g0:g1].double(), rD, rtol=1e-5, atol=1e-5)
+        others = torch.ones(12, dtype=torch.bool)
+        others[g0:g1] = False
+        assert bool((dD[others] == 0).all()), "rows outside the good document got gradient"
 
 
 @pytest.mark.parametrize(
