@@ -323,3 +323,10 @@ def test_backward_without_checks_only_where_they_change_nothing(cu_d, pair_q, pa
             s = maxsim.maxsim_pairs_varlen(q, d, cu_q, cu_d, pq, pd, **kw)
         s.backward(torch.linspace(-1, 2, len(pair_q))[keep])
         assert torch.equal(q.grad, grads[0][0]) and torch.equal(d.grad, grads[0][1])
+
+
+def test_pair_rows_refuses_ids_off_the_cpu():
+    """``_pair_rows`` reads counts and row ends back as Python values: free on the CPU, a sync anywhere else, so it
+    refuses ids on another device instead of syncing (its caller never hands it any)."""
+    with pytest.raises(RuntimeError, match="CPU pair ids only"):
+        next(cpu_ragged._pair_rows(torch.zeros(4, dtype=torch.int64, device="meta"), 2, 8))

@@ -237,7 +237,13 @@ def _pair_rows(pair_q: Tensor, n_q: int, cap: int):
     Yields per class ``(order, row_q, slot, k, row_end)``: ``order [n]`` the class's pairs (positions in
     ``pair_q``) row after row, ``row_q [R]`` each row's query (None: every query, in order), ``k`` the most pairs a
     row holds and, where some row holds fewer, ``slot [n]`` each pair's slot ``row · k + column`` in ``[R, k]`` and
-    ``row_end`` (a list) where each row ends in ``order``; else None, None (pair ``order[i]`` is slot ``i``)."""
+    ``row_end`` (a list) where each row ends in ``order``; else None, None (pair ``order[i]`` is slot ``i``).
+
+    Reads values back (counts, row ends, class sizes) as Python ints and lists, which is free for CPU tensors and
+    a host sync for any other: hence CPU ids only (:func:`_pairs_by_query`, the one caller, checks every tensor's
+    device first; a call with ids elsewhere is a bug and raises rather than syncing)."""
+    if pair_q.device.type != "cpu":
+        raise RuntimeError(f"_pair_rows: CPU pair ids only (its read-backs would sync), got {pair_q.device}")
     # (stable: a query's pairs stay in pair order, so the layout depends on the list alone; any order would score
     # the same, each pair's results going back to its own position)
     order = torch.argsort(pair_q, stable=True)
@@ -248,12 +254,13 @@ def _pair_rows(pair_q: Tensor, n_q: int, cap: int):
         return
     queries = counts.nonzero().squeeze(1)
     per_query = counts.index_select(0, queries)
-    lo = int(per_query.min())
+    lo = int(per_query.min())  # (CPU values: no sync)
     if hi <= cap and 2 * lo > hi:  # one row per query that has pairs
         first = torch.cumsum(per_query, 0) - per_query
         shift = torch.repeat_interleave(torch.arange(queries.shape[0]) * hi - first, per_query)
         row_q = None if queries.shape[0] == n_q else queries
-        yield order, row_q, torch.arange(order.shape[0]) + shift, hi, (first + per_query).tolist()
+        row_end = (first + per_query).tolist()  # (CPU values, see the docstring: no sync)
+        yield order, row_q, torch.arange(order.shape[0]) + shift, hi, row_end
         return
     sq = pair_q.index_select(0, order)
     rank = torch.arange(order.shape[0]) - (torch.cumsum(counts, 0) - counts).index_select(0, sq)
@@ -269,12 +276,13 @@ def _pair_rows(pair_q: Tensor, n_q: int, cap: int):
     row_of = torch.cumsum(new_row, 0) - 1
     col = rank - chunk * cap
     row_q, row_n = sq[new_row], in_row[new_row]
-    row_end = torch.cumsum(row_n, 0).tolist()
+    row_end = torch.cumsum(row_n, 0).tolist()  # (CPU values: no sync)
     r0 = 0
-    for n_rows in torch.unique_consecutive(row_class[new_row], return_counts=True)[1].tolist():
+    class_sizes = torch.unique_consecutive(row_class[new_row], return_counts=True)[1].tolist()  # (CPU: no sync)
+    for n_rows in class_sizes:
         r1 = r0 + n_rows
         p0, p1 = (row_end[r0 - 1] if r0 else 0), row_end[r1 - 1]
-        lo, hi = (int(x) for x in row_n[r0:r1].aminmax())
+        lo, hi = (int(x) for x in row_n[r0:r1].aminmax())  # (CPU values: no sync)
         if lo == hi:
             yield order[p0:p1], row_q[r0:r1], None, hi, None
         else:
