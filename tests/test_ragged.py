@@ -626,7 +626,9 @@ def test_pair_scan_and_index_agree_bitwise(backward, device, monkeypatch):
         pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
     from maxsim.kernels import launch
 
-    pairs = tuple((i % 3, (5 * i) % 4) for i in range(6))  # every query twice, documents 0 and 1 twice
+    # every query 3 or 4 times; documents 0 and 1 three times (the one token of document 1 chosen by every query
+    # token: three partial sums whose order shows in the rounding)
+    pairs = tuple((i % 3, (5 * i) % 4) for i in range(10))
     case = Ragged((9, 3, 17), (20, 1, 8, 33), pairs=pairs, dim=16, backward=backward, return_argmax=False)
     b = build(case, device)
     grads = []
@@ -643,6 +645,37 @@ def test_pair_scan_and_index_agree_bitwise(backward, device, monkeypatch):
         assert torch.equal(grads[0][0], grads[1][0]), "dQ: scan and index differ"
     else:
         torch.testing.assert_close(grads[0][0], grads[1][0])
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_pair_walk_leaves_unlisted_documents_alone(normalize, device, monkeypatch):
+    """Through the CSR index, a document that no pair lists still gets its owner program, which reads the entry at
+    the document's position (another document's first pair) in its place: neither that pair's NaN upstream
+    gradient nor an inf in its query's tokens may reach the unlisted document, whose gradient stays 0, bitwise as
+    the scan gives it."""
+    if not triton_usable(device):
+        pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
+    from maxsim.kernels import launch
+
+    pairs = ((0, 0), (1, 2), (0, 2), (1, 3))  # document 1 in no pair; entry 1 of the index is pair 1
+    case = Ragged((9, 17), (20, 8, 33, 5), pairs=pairs, normalize=normalize, return_argmax=False)
+    b = build(case, device)
+    g = upstream_grad((len(pairs),), seed=3, device=device)
+    g[1] = float("nan")
+    b.Q = b.Q.clone()
+    b.Q[9 + 4, 0] = float("inf")  # token 4 of query 1 (pairs 1 and 3), chosen wherever it lands
+    grads = []
+    with maxsim.backend("triton"):
+        for limit in (launch.PAIR_SCAN_MAX_WORK, 0):
+            monkeypatch.setattr(launch, "PAIR_SCAN_MAX_WORK", limit)
+            Q = b.Q.detach().clone().requires_grad_()
+            D = b.D.detach().clone().requires_grad_()
+            lib_call(case, b, Q, D).backward(g)
+            grads.append((Q.grad, D.grad))
+    assert torch.equal(grads[1][1][20:28], torch.zeros_like(grads[1][1][20:28])), "unlisted document's dD"
+    # (with normalize the two owner loops are compiled differently: equal to fp32 rounding, not bitwise)
+    exact = {} if normalize else {"rtol": 0, "atol": 0}
+    torch.testing.assert_close(grads[1][1], grads[0][1], equal_nan=True, **exact)
 
 
 @pytest.mark.parametrize("fn", ["varlen", "pairs"])

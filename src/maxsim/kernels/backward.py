@@ -314,10 +314,12 @@ def _dd_program(
     """dD of one (document, token block, dim block), owned: no atomics, a fixed order of the sum (``PROJECT``: the
     block spans ``dim``, and is chained through the normalization of D's rows before it is stored).
 
-    ``DOC_WALK``: the document was scored by one query of at most ``TQ`` tokens (per-query candidates, aligned
-    pairs); the program owns the whole (document, dim block): it loads the query's argmax and rows once, then
-    writes the document's token blocks in turn, an MMA and a store each. (One program per token block spent most
-    of its life waiting on those loads: H100, backward of candidates 256x16 Lq32 Ld300 244 -> 118 us.)"""
+    ``DOC_WALK``: the document was scored by queries of at most ``TQ`` tokens, by one (per-query candidates,
+    aligned pairs) or by the pairs of a pair list that name it; the program owns the whole (document, dim block):
+    it loads the (first) query's argmax and rows once, then writes the document's token blocks in turn, an MMA and
+    a store each (one more MMA per further pair of the document, whose loads are repeated per block). One program
+    per token block spent most of its life waiting on those loads (H100, backward of candidates 256x16 Lq32 Ld300
+    244 -> 118 us; of a pair list of 2048 pairs from a pool of 1024, Lq 8-32 Ld 20-1000, 123 -> 87 us)."""
     kb = pid % n_kb
     if DOC_WALK:
         doc = (pid // n_kb).to(tl.int64)
@@ -339,16 +341,65 @@ def _dd_program(
             D, DSEG, b, kk, K, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, D_KIND
         )
     if DOC_WALK:
+        # A pair list's document: its pairs in pair order, from the CSR index by document or (PAIR_SCAN) a scan of
+        # the pair ids. The first one's operands are loaded once; further ones (a document listed for several
+        # queries) are found and loaded again for each token block.
+        if PAIR_LIST:
+            if PAIR_SCAN:
+                n_listed = tl.full([], 0, tl.int32)
+                first = tl.full([], 0, tl.int64) + P
+                for c0 in range(0, P, SCAN):
+                    cols = c0 + tl.arange(0, SCAN)
+                    mine = tl.load(PD + cols, mask=cols < P, other=-1) == kk
+                    n_listed += tl.sum(mine.to(tl.int32), 0)
+                    first = tl.minimum(first, tl.min(tl.where(mine, cols, P), 0).to(tl.int64))
+                listed = n_listed > 0
+            else:
+                e_lo = tl.load(DOFF + kk).to(tl.int64)
+                e_hi = tl.load(DOFF + kk + 1).to(tl.int64)
+                listed = e_hi > e_lo
+                first = e_lo
+            first = tl.minimum(first, P - 1)  # (P >= 1 here; a document in no pair reads a valid entry, unused)
+            walk: tl.constexpr = WALK_PAIRS if PAIR_SCAN else WALK_CSR
+        else:
+            first = b
+            walk: tl.constexpr = WALK_QUERIES
         a, qt, w = _dd_load(
-            b, 1, K, kk, G, ARG, Q, INV_Q, QSEG, PQ, DPERM,
-            Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, sg, kd, kd_ok, TQ, Q_KIND, WALK_QUERIES, NORMALIZE,
+            first, 1, K, kk, G, ARG, Q, INV_Q, QSEG, PQ, DPERM,
+            Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, sg, kd, kd_ok, TQ, Q_KIND, walk, NORMALIZE,
         )  # fmt: skip
+        if PAIR_LIST:  # a document in no pair: zeros (0 * an inf row or a NaN weight of that pair would be NaN)
+            qt = tl.where(listed, qt, tl.zeros_like(qt))
+            w = tl.where(listed, w, tl.zeros_like(w))
         n_stored = tl.cdiv(d_len, BN) if D_KIND == OFFSETS else n_jb  # padding rows get their (zero) gradient too
         for jb in range(0, n_stored):
             j = jb * BN + tl.arange(0, BN)
             acc = tl.zeros([BN, BLOCK_K], dtype=tl.float32)
             if jb * BN < d_len:  # (past the document's end: chosen by no token, and no NaN of w spread there)
                 acc = _dd_add(acc, a, qt, w, j, NORMALIZE, DOT_PRECISION, UPCAST)
+                if PAIR_LIST:
+                    if PAIR_SCAN:
+                        if n_listed > 1:
+                            for c0 in range(0, P, SCAN):
+                                cols = c0 + tl.arange(0, SCAN)
+                                mine = (tl.load(PD + cols, mask=cols < P, other=-1) == kk) & (cols != first)
+                                n_mine = tl.sum(mine.to(tl.int32), 0)
+                                if n_mine > 0:
+                                    rank = tl.cumsum(mine.to(tl.int32), 0)
+                                    for h in range(0, n_mine):
+                                        p = tl.sum(tl.where(mine & (rank == h + 1), cols, 0), 0).to(tl.int64)
+                                        a_e, qt_e, w_e = _dd_load(
+                                            p, 1, K, kk, G, ARG, Q, INV_Q, QSEG, PQ, DPERM, Lq, n_qseq, n_qrows,
+                                            sq_n, sq_l, sqs, sg, kd, kd_ok, TQ, Q_KIND, WALK_PAIRS, NORMALIZE,
+                                        )  # fmt: skip
+                                        acc = _dd_add(acc, a_e, qt_e, w_e, j, NORMALIZE, DOT_PRECISION, UPCAST)
+                    else:
+                        for e in range(e_lo + 1, e_hi):
+                            a_e, qt_e, w_e = _dd_load(
+                                e, 1, K, kk, G, ARG, Q, INV_Q, QSEG, PQ, DPERM, Lq, n_qseq, n_qrows,
+                                sq_n, sq_l, sqs, sg, kd, kd_ok, TQ, Q_KIND, WALK_CSR, NORMALIZE,
+                            )  # fmt: skip
+                            acc = _dd_add(acc, a_e, qt_e, w_e, j, NORMALIZE, DOT_PRECISION, UPCAST)
             if PROJECT:
                 acc = _projected(acc, d_base, j, d_len, kd, kd_ok, sd_l)
             j_store = j < d_len if D_KIND == OFFSETS else j < Ld
@@ -433,9 +484,9 @@ def maxsim_bwd_kernel(
     is made of host time, and each launch is several microseconds of it.
 
     Pair-grid sizes: ``K`` is the score grid's (a pair list: ``P``) for the gather; ``Nq``, ``K_dd`` (documents of
-    a pair list) and ``P`` for the owner. ``DOC_WALK``: every document was scored by one query of at most
-    ``TQ`` tokens (candidates, aligned pairs); its owner programs are one per (document, dim block), see
-    :func:`_dd_program`."""
+    a pair list) and ``P`` for the owner. ``DOC_WALK``: every query has at most ``TQ`` tokens and every
+    document was scored by one of them (candidates, aligned pairs) or is found through the pair list's CSR index;
+    its owner programs are one per (document, dim block), see :func:`_dd_program`."""
     pid = tl.program_id(0)
     # (a launch of one side tests nothing: the branch costs a dQ-only variant ~35 registers, a program per SM)
     gather = pid < n_dq if DQ_GATHER and (DD_OWNED or DD_SCATTER) else DQ_GATHER

@@ -551,7 +551,8 @@ def _backward_plan(
     # A document that one short query scored is owned by one program per dim block, walking its token blocks (a
     # block's work is one query's: a program per block would mostly wait on its loads). With longer queries the
     # walk would reload them per block (H100: candidates 64x8 Lq128 Ld300 backward 62 -> 69 us): a program each.
-    doc_walk = not shared and not sg.pairs and Lq <= cfg.TQ
+    # So does a pair list's document (its pairs found by the scan or the index; see _dd_program).
+    doc_walk = not shared and Lq <= cfg.TQ
     n_dd = (n_owned * (1 if doc_walk else n_jb) * n_kb) if dd_owned else 0
     # With normalize, a program holding whole gradient rows chains them through the normalization itself (written
     # in the input's dtype: no fp32 buffer, no pass afterwards); the rest is projected by one launch after.
