@@ -618,28 +618,33 @@ def test_deterministic_backward_is_bitwise_reproducible(fn, backend, device):
         assert torch.equal(x, y), f"{name} differs between two deterministic runs (max |diff| {(x - y).abs().max()})"
 
 
-@pytest.mark.parametrize("backward", ["fast", "deterministic"])
-def test_pair_scan_and_index_agree_bitwise(backward, device, monkeypatch):
-    """The Triton pair-list backward walks each query's / document's pairs in pair order whether it finds them by
-    scanning the ids or through the CSR index: dD (and dQ where both gather) are bitwise equal."""
-    if not triton_usable(device):
-        pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
+def _grads_by_scan_then_index(case: Ragged, b: Built, grad: torch.Tensor, monkeypatch) -> list[tuple]:
+    """``[(dQ, dD)]`` of the Triton pair-list backward finding the pairs by scanning the ids, then by the index."""
     from maxsim.kernels import launch
 
-    # every query 3 or 4 times; documents 0 and 1 three times (the one token of document 1 chosen by every query
-    # token: three partial sums whose order shows in the rounding)
-    pairs = tuple((i % 3, (5 * i) % 4) for i in range(10))
-    case = Ragged((9, 3, 17), (20, 1, 8, 33), pairs=pairs, dim=16, backward=backward, return_argmax=False)
-    b = build(case, device)
     grads = []
     with maxsim.backend("triton"):
         for limit in (launch.PAIR_SCAN_MAX_WORK, 0):
             monkeypatch.setattr(launch, "PAIR_SCAN_MAX_WORK", limit)
             Q = b.Q.detach().clone().requires_grad_()
             D = b.D.detach().clone().requires_grad_()
-            s = lib_call(case, b, Q, D)
-            s.backward(upstream_grad(s.shape, seed=3, device=s.device))
+            lib_call(case, b, Q, D).backward(grad)
             grads.append((Q.grad, D.grad))
+    return grads
+
+
+@pytest.mark.parametrize("backward", ["fast", "deterministic"])
+def test_pair_scan_and_index_agree_bitwise(backward, device, monkeypatch):
+    """The Triton pair-list backward walks each query's / document's pairs in pair order whether it finds them by
+    scanning the ids or through the CSR index: dD (and dQ where both gather) are bitwise equal."""
+    if not triton_usable(device):
+        pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
+    # every query 3 or 4 times; documents 0 and 1 three times (the one token of document 1 chosen by every query
+    # token: three partial sums whose order shows in the rounding)
+    pairs = tuple((i % 3, (5 * i) % 4) for i in range(10))
+    case = Ragged((9, 3, 17), (20, 1, 8, 33), pairs=pairs, dim=16, backward=backward, return_argmax=False)
+    b = build(case, device)
+    grads = _grads_by_scan_then_index(case, b, upstream_grad((len(pairs),), seed=3, device=device), monkeypatch)
     assert torch.equal(grads[0][1], grads[1][1]), "dD: scan and index differ"
     if backward == "deterministic":  # (fast mode with the index adds dQ by atomics: another summation order)
         assert torch.equal(grads[0][0], grads[1][0]), "dQ: scan and index differ"
@@ -655,8 +660,6 @@ def test_pair_walk_leaves_unlisted_documents_alone(normalize, device, monkeypatc
     the scan gives it."""
     if not triton_usable(device):
         pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
-    from maxsim.kernels import launch
-
     pairs = ((0, 0), (1, 2), (0, 2), (1, 3))  # document 1 in no pair; entry 1 of the index is pair 1
     case = Ragged((9, 17), (20, 8, 33, 5), pairs=pairs, normalize=normalize, return_argmax=False)
     b = build(case, device)
@@ -664,14 +667,7 @@ def test_pair_walk_leaves_unlisted_documents_alone(normalize, device, monkeypatc
     g[1] = float("nan")
     b.Q = b.Q.clone()
     b.Q[9 + 4, 0] = float("inf")  # token 4 of query 1 (pairs 1 and 3), chosen wherever it lands
-    grads = []
-    with maxsim.backend("triton"):
-        for limit in (launch.PAIR_SCAN_MAX_WORK, 0):
-            monkeypatch.setattr(launch, "PAIR_SCAN_MAX_WORK", limit)
-            Q = b.Q.detach().clone().requires_grad_()
-            D = b.D.detach().clone().requires_grad_()
-            lib_call(case, b, Q, D).backward(g)
-            grads.append((Q.grad, D.grad))
+    grads = _grads_by_scan_then_index(case, b, g, monkeypatch)
     assert torch.equal(grads[1][1][20:28], torch.zeros_like(grads[1][1][20:28])), "unlisted document's dD"
     # (with normalize the two owner loops are compiled differently: equal to fp32 rounding, not bitwise)
     exact = {} if normalize else {"rtol": 0, "atol": 0}
