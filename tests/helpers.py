@@ -71,6 +71,15 @@ def keep_under_interpreter(keep: bool, backend: str, device: str | torch.device)
         pytest.skip("Triton interpreter: this combination is covered by the GPU run (CI keeps a subset)")
 
 
+def general_cpu_path_only(monkeypatch) -> None:
+    """Ragged CPU calls past the small-problem path (:mod:`maxsim.cpu_small`, its bounds set below every problem):
+    for the tests of the general path's own pieces, whose small cases the small-problem path would otherwise take."""
+    from maxsim import cpu_small
+
+    monkeypatch.setattr(cpu_small, "MAX_PAIR_SIMS", -1)
+    monkeypatch.setattr(cpu_small, "MAX_CROSS_SIMS", -1)
+
+
 def seed_of(*parts) -> int:
     """A stable seed derived from test parameters (not ``hash``, which is salted per process)."""
     return zlib.crc32(repr(parts).encode()) % (2**31)

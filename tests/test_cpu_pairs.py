@@ -11,6 +11,10 @@ by query into candidate blocks (:func:`maxsim.cpu_ragged._pairs_by_query`, rows 
   per-pair blocks that the regrouping replaced on the CPU), which the CUDA tensors of the PyTorch path still take;
 * NaN in a document, a NaN upstream gradient, and what never takes the regrouped path (ids or offsets out of range,
   tensors off the CPU).
+
+These cases are small: the small-problem path (:mod:`maxsim.cpu_small`, tested in ``test_cpu_small.py``) would take
+them, so every test here that looks at the general path's own pieces sends its calls past it
+(:func:`helpers.general_cpu_path_only`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import general_cpu_path_only
 from test_ragged import Ragged, build, check_ragged, lib_call, ref_call
 
 import maxsim
@@ -85,6 +90,7 @@ def taken(monkeypatch) -> list[bool]:
 
 
 def _apply(monkeypatch, setting: str) -> None:
+    general_cpu_path_only(monkeypatch)
     values = SETTINGS[setting]
     if values is None:
         return
@@ -110,6 +116,7 @@ def test_random_pair_lists_match_the_reference(seed, setting, monkeypatch, taken
 def _results(case: Ragged, regroup: bool, monkeypatch) -> tuple[torch.Tensor, ...]:
     """Scores, argmax, dQ and dD of the PyTorch path, regrouped by query or through the checked per-pair path."""
     with monkeypatch.context() as m:
+        general_cpu_path_only(m)
         if not regroup:
             m.setattr(cpu_ragged, "_pairs_by_query", lambda *args: None)
         b = build(case, "cpu")
@@ -150,6 +157,7 @@ def test_exact_ties_equal_the_checked_path(case, dtype, setting, monkeypatch):
 def test_documents_copied_as_slabs(d_lens, monkeypatch):
     """Documents whose ``[Ld, dim]`` slab lies within D are copied whole (an overlapping view of D's rows), the
     others (a short document at D's very end) row by row: the checked path's results either way, bitwise."""
+    general_cpu_path_only(monkeypatch)
     windows = []
     real = cpu_ragged._windows
     monkeypatch.setattr(cpu_ragged, "_windows", lambda *args: windows.append(args[1]) or real(*args))
@@ -268,6 +276,7 @@ def test_tensors_off_the_cpu_are_never_read():
 def test_link_blocks_do_not_change_the_gradients(fn, normalize, monkeypatch):
     """The packed backward adds its links block after block in link order: blocks of one pair's links give the
     gradients of a single block, bitwise (many pairs share query and document tokens)."""
+    general_cpu_path_only(monkeypatch)
     pairs = None if fn == "varlen" else tuple((i % 3, (5 * i) % 4) for i in range(14))
     case = Ragged((17, 5, 33), (40, 1, 16, 70), pairs=pairs, dim=32, normalize=normalize, return_argmax=False)
     b = build(case, "cpu")
@@ -296,6 +305,7 @@ def test_backward_without_checks_only_where_they_change_nothing(cu_d, pair_q, pa
     """The packed backward skips its clamps and its filter of pairs with ids out of range only when every offset
     and id is in range: its gradients equal those of the checked backward, bitwise, with ids or offsets out of
     range too (unvalidated inputs: the pairs concerned score NaN)."""
+    general_cpu_path_only(monkeypatch)
     g = torch.Generator().manual_seed(11)
     Q, D = torch.randn(10, 8, generator=g), torch.randn(12, 8, generator=g)
     cu_q, cu_d = torch.tensor([0, 4, 10]), torch.tensor(cu_d)

@@ -33,6 +33,7 @@ from helpers import (
     assert_rejected,
     assert_same_nan,
     assert_scores_close,
+    general_cpu_path_only,
     int_grid,
     interpreted,
     keep_under_interpreter,
@@ -446,6 +447,7 @@ def test_cases_by_length_class(case, keep, monkeypatch):
     cross product and for pair lists."""
     from maxsim import cpu_ragged
 
+    general_cpu_path_only(monkeypatch)
     monkeypatch.setattr(cpu_ragged, "BY_LENGTH_MIN_WORK", 0)
     monkeypatch.setattr(cpu_ragged, "PACKED_ARGMAX_MAX_SIMS", -1)
     with maxsim.backend("torch"):
@@ -461,6 +463,7 @@ def test_packed_cpu_path(case, keep, chunked, grad, monkeypatch):
     argmax and gradients with one."""
     from maxsim import cpu, cpu_ragged
 
+    general_cpu_path_only(monkeypatch)  # (with the argmax, small batches take the small-problem path)
     if chunked:
         monkeypatch.setattr(cpu, "BLOCK_BYTES", 256)
         monkeypatch.setattr(cpu_ragged, "PACKED_QUERY_ROWS", 8)
@@ -495,9 +498,13 @@ def test_packed_path_never_reads_offsets_off_the_cpu():
     assert cpu_ragged._well_formed(torch.tensor([0, 3, 5], dtype=torch.int32), 10, 5) == ([0, 3, 5], [3, 2])
 
 
-def test_packed_cpu_path_nan_argmax():
+@pytest.mark.parametrize("path", ["small", "packed"])
+def test_packed_cpu_path_nan_argmax(path, monkeypatch):
     """A document holding NaN: its scores are NaN and each query token's argmax is the document's first NaN token,
-    as ``torch.max`` (the reference) picks it; the other documents keep their argmax."""
+    as ``torch.max`` (the reference) picks it; the other documents keep their argmax. On the small-problem path
+    (:mod:`maxsim.cpu_small`, which takes this batch with its argmax) and on the packed one."""
+    if path == "packed":
+        general_cpu_path_only(monkeypatch)
     gen = torch.Generator().manual_seed(9)
     Q, D = torch.randn(7, 8, generator=gen), torch.randn(15, 8, generator=gen)
     D[6, 3] = D[8, 0] = float("nan")  # tokens 2 and 4 of document 1 (rows 4..10)

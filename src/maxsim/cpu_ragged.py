@@ -6,7 +6,8 @@ a time, within :data:`maxsim.cpu.BLOCK_BYTES`), which is fine off the GPU, where
 offsets, lengths or pair ids give NaN scores, as in the kernels. No host↔device sync beyond what PyTorch ops do,
 except on CPU tensors, where reading values back is free: large skewed batches are grouped by length class there, a
 varlen cross product with well-formed offsets needs no padding at all (:func:`_packed_cross`), and a pair list is
-regrouped by query into candidate blocks (:func:`_pairs_by_query`).
+regrouped by query into candidate blocks (:func:`_pairs_by_query`). Small problems on the CPU, whose time is the
+number of ops they run, take the few-op path of :mod:`.cpu_small` first (:func:`forward`, :func:`backward`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import cpu
+from . import cpu, cpu_small
 from .layout import Ragged, accum_dtype
 
 
@@ -89,6 +90,9 @@ def _pair_ids(rg: Ragged, nq: int, nd: int) -> tuple[Tensor, Tensor, Tensor]:
 
 def forward(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: Ragged) -> tuple[Tensor, Tensor]:
     """As :func:`maxsim.cpu.forward` for a ragged description: scores ``[Nq, K]`` (a pair list: ``[1, P]``)."""
+    out = cpu_small.forward(Q, D, normalize, need_argmax, rg)  # (small problems on the CPU; else None)
+    if out is not None:
+        return out
     if rg.pair_q is not None:
         return _forward_pairs(Q, D, normalize, need_argmax, rg)
     if _both_packed_on_cpu(Q, D, rg):
@@ -507,6 +511,9 @@ def backward(
     grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, normalize: bool, deterministic: bool, rg: Ragged
 ) -> tuple[Tensor, Tensor]:
     """As :func:`maxsim.cpu.backward` for a ragged description; gradients in Q's and D's own (packed) layout."""
+    out = cpu_small.backward(grad, Q, D, argmax, normalize, rg)  # (small problems on the CPU; else None)
+    if out is not None:
+        return out
     if Q.device.type == "cpu" and Q.dim() == 2 and D.dim() == 2 and rg.q_seg is not None and rg.d_seg is not None:
         return _packed_backward(grad, Q, D, argmax, normalize, rg)
     dn = _Dense(Q, D, rg)

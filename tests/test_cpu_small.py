@@ -1,0 +1,275 @@
+"""The small-problem CPU path (:mod:`maxsim.cpu_small`): pair lists as one padded block, and the backward of pair lists
+and varlen cross products, the offsets and ids read back as lists.
+
+* random pair lists and varlen batches (empty sequences, every dtype, ``normalize``, ``max_seqlen_*`` above the
+  longest) against the float64 reference: scores, argmax, dQ and dD, with the similarities taken either way (the
+  cross product of every packed token, or each pair's rows gathered), and the scores alone (no argmax: a pair list's
+  cross product reduced as segments);
+* exact ties (integer tokens): scores, argmax and gradients equal, bitwise, to those of the general path's checked
+  per-pair blocks (a pair list) and padded block (a varlen batch), and scores equal with and without the argmax;
+* padding never leaks: NaN and inf in the rows that follow a short query or document (which the padded block reads:
+  another sequence, or rows after the last one) change no score, argmax or gradient;
+* what never takes this path: ids or offsets out of range, tensors off the CPU, problems above the bounds, a varlen
+  forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from helpers import general_cpu_path_only
+from test_cpu_pairs import EXACT_CASES, _random_case
+from test_ragged import Ragged, build, check_ragged, lib_call, ref_call
+
+import maxsim
+from maxsim import cpu_small
+from maxsim.layout import Ragged as Layout
+
+PRODUCTS = ["auto", "cross", "gather"]
+
+
+@pytest.fixture
+def taken(monkeypatch) -> list[tuple[str, bool]]:
+    """Records, for every forward and backward of the small path, whether it took the call (None: it did not)."""
+    calls: list[tuple[str, bool]] = []
+    for name in ("forward", "backward"):
+        real = getattr(cpu_small, name)
+
+        def spy(*args, _real=real, _name=name):
+            out = _real(*args)
+            calls.append((_name, out is not None))
+            return out
+
+        monkeypatch.setattr(cpu_small, name, spy)
+    return calls
+
+
+def _force(monkeypatch, product: str) -> None:
+    """The similarities from the cross product of every packed token, or from each pair's gathered rows."""
+    if product != "auto":
+        monkeypatch.setattr(cpu_small, "_cross_product_pays", lambda *args: product == "cross")
+
+
+def _random_varlen(seed: int) -> Ragged:
+    """A varlen batch with skewed lengths, zeros included."""
+    g = torch.Generator().manual_seed(1000 + seed)
+
+    def draw(n: int, hi: int) -> tuple[int, ...]:
+        lens = torch.randint(0, hi + 1, (n,), generator=g)
+        lens[torch.rand(n, generator=g) < 0.15] = 0
+        return tuple(lens.tolist())
+
+    n_q, n_d = int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(1, 9, (1,), generator=g))
+    return Ragged(
+        draw(n_q, 12), draw(n_d, 40), dim=(8, 16, 48)[seed % 3], dtype=("fp32", "fp16", "bf16", "fp64")[seed % 4],
+        normalize=seed % 5 == 1, index=("int32", "int64")[seed % 2], max_seqlen=("given", "bound")[seed % 7 == 3],
+        seed=seed + 1,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------
+# random cases against the reference
+
+
+@pytest.mark.parametrize("product", PRODUCTS)
+@pytest.mark.parametrize("seed", range(24))
+def test_random_pair_lists_match_the_reference(seed, product, monkeypatch, taken):
+    _force(monkeypatch, product)
+    with maxsim.backend("torch"):
+        check_ragged(_random_case(seed), "cpu", any_ties=True)
+    assert taken == [("forward", True), ("backward", True)], taken
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_random_varlen_batches_match_the_reference(seed, taken):
+    """The backward of a varlen cross product (its forward: the packed path)."""
+    with maxsim.backend("torch"):
+        check_ragged(_random_varlen(seed), "cpu", any_ties=True)
+    assert taken == [("forward", False), ("backward", True)], taken
+
+
+@pytest.mark.parametrize("product", PRODUCTS)
+@pytest.mark.parametrize("seed", range(24))
+def test_random_pair_list_scores_without_the_argmax(seed, product, monkeypatch, taken):
+    """No gradient, no argmax: a pair list whose cross product pays is reduced as segments of it; the scores are
+    those of the call with the argmax, bitwise (the same GEMM, exact maxima, the same sums)."""
+    _force(monkeypatch, product)
+    segments = []
+    real = cpu_small._pair_scores_by_segments
+    monkeypatch.setattr(cpu_small, "_pair_scores_by_segments", lambda *args: segments.append(1) or real(*args))
+    case = dataclasses.replace(_random_case(seed), return_argmax=False)
+    b = build(case, "cpu")
+    with maxsim.backend("torch"), torch.no_grad():
+        s = lib_call(case, b)
+        with_argmax, _ = lib_call(dataclasses.replace(case, return_argmax=True), b)
+    assert torch.equal(s, with_argmax), f"{s.tolist()} != {with_argmax.tolist()} (with the argmax)"
+    rs, _ = ref_call(case, b, b.Q.double(), b.D.double())
+    tol = {"fp32": 1e-5, "fp64": 1e-9}.get(case.dtype, 2e-2)  # (bf16 / fp16 inputs: rounded tokens, fp32 sums)
+    torch.testing.assert_close(s.double(), rs, rtol=tol, atol=tol * max(1.0, float(rs.abs().max())))
+    assert taken == [("forward", True), ("forward", True)], taken
+    p = cpu_small.plan(b.Q, b.D, Layout(b.cu_q, b.cu_d, b.pair_q, b.pair_d, case.width_q(), case.width_d()))
+    assert p.cross == (product == "cross") or product == "auto"
+    assert segments == ([1] if p.cross and p.lq and p.ld else []), "the cross product was not reduced as segments"
+
+
+# ----------------------------------------------------------------------------------------------------
+# exact ties: bitwise the general path's results
+
+
+def _results(case: Ragged, small: bool, monkeypatch) -> tuple[torch.Tensor, ...]:
+    """Scores, argmax, dQ, dD and the scores without argmax, of the small path or of the general path's checked
+    blocks (a pair list: the per-pair blocks that any device takes; a varlen batch: the padded block)."""
+    from maxsim import cpu_ragged
+
+    with monkeypatch.context() as m:
+        if not small:
+            general_cpu_path_only(m)
+            m.setattr(cpu_ragged, "_pairs_by_query", lambda *args: None)
+            m.setattr(cpu_ragged, "_packed_cross", lambda *args: None)
+        b = build(case, "cpu")
+        Q, D = b.Q.detach().clone().requires_grad_(), b.D.detach().clone().requires_grad_()
+        with maxsim.backend("torch"):
+            s, arg = lib_call(case, b, Q, D)
+            with torch.no_grad():
+                plain = lib_call(dataclasses.replace(case, return_argmax=False), b)
+        s.backward((torch.arange(s.numel(), dtype=s.dtype) % 5 - 2).view(s.shape))  # exact weights
+        return s.detach(), arg, Q.grad, D.grad, plain
+
+
+EXACT_VARLEN = [
+    Ragged((6, 6, 6), (9, 9, 9, 9)),
+    Ragged((3, 0, 7), (5, 0, 11)),
+    Ragged((4, 9, 2), (1, 33, 6, 17, 2)),
+]
+
+
+@pytest.mark.parametrize("product", PRODUCTS)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp64"])
+@pytest.mark.parametrize("case", EXACT_CASES + EXACT_VARLEN, ids=range(len(EXACT_CASES + EXACT_VARLEN)))
+def test_exact_ties_equal_the_general_path(case, dtype, product, monkeypatch):
+    """Integer tokens (exact products and sums, ties between document tokens, repeats, empty sequences): the small
+    path's scores, argmax (lowest tied index) and gradients are the general path's, bitwise, and the reference's."""
+    if case.pairs is None and product == "gather":
+        pytest.skip("a varlen batch always takes the cross product")
+    bound = ("given", "bound")[len(case.d_lens) % 2]  # (some cases with max_seqlen above the longest)
+    case = dataclasses.replace(case, dim=8, exact=True, dtype=dtype, max_seqlen=bound)
+    _force(monkeypatch, product)
+    small, general = _results(case, True, monkeypatch), _results(case, False, monkeypatch)
+    for name, x, y in zip(("scores", "argmax", "dQ", "dD", "scores without argmax"), small, general, strict=True):
+        assert x.dtype == y.dtype and torch.equal(x, y), f"{name}: small {x.tolist()} != general {y.tolist()}"
+    b = build(case, "cpu")
+    rs, rarg = ref_call(case, b, b.Q.double(), b.D.double())
+    assert torch.equal(small[0].double(), rs) and torch.equal(small[1].long(), rarg)
+
+
+# ----------------------------------------------------------------------------------------------------
+# padding never leaks
+
+
+@pytest.mark.parametrize("product", PRODUCTS)
+@pytest.mark.parametrize("fn", ["pairs", "varlen"])
+def test_nan_and_inf_in_the_padding_stay_out(fn, product, monkeypatch, taken):
+    """The padded block reads the rows after a short query or document, up to and past the last one: NaN and inf
+    there (in a sequence no pair scores, and in rows after the last sequence) change no score, argmax or gradient."""
+    if fn == "varlen" and product == "gather":
+        pytest.skip("a varlen batch always takes the cross product")
+    _force(monkeypatch, product)
+    if fn == "pairs":  # query 1 and document 1 (poisoned) are in no pair; query 0 and documents 0, 2 are short
+        case = Ragged((2, 5, 3), (2, 6, 1), pairs=((0, 0), (2, 2), (0, 2), (2, 0), (0, 0)), dim=8, max_seqlen="bound")
+    else:
+        case = Ragged((2, 3, 3), (2, 4, 1), dim=8, max_seqlen="bound")
+    b = build(case, "cpu")
+    poison = torch.tensor([float("nan"), float("inf"), float("-inf")]).repeat(3)[:8]
+    Q, D = torch.cat([b.Q, poison[None]]), torch.cat([b.D, poison[None], poison.flip(0)[None]])
+    if fn == "pairs":
+        Q[2:7], D[2:8] = poison, poison.flip(0)
+    Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+    with maxsim.backend("torch"):
+        s, arg = lib_call(case, b, Qg, Dg)
+    Qr, Dr = Q.double().requires_grad_(), D.double().requires_grad_()
+    rs, rarg = ref_call(case, b, Qr, Dr)
+    assert bool(torch.isfinite(s).all()), f"scores {s.tolist()}"
+    torch.testing.assert_close(s.detach().double(), rs.detach(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(arg.long(), rarg)
+    upstream = torch.linspace(-1, 2, s.numel()).view(s.shape)
+    dQ, dD = torch.autograd.grad(s, (Qg, Dg), upstream)
+    rdQ, rdD = torch.autograd.grad(rs, (Qr, Dr), upstream.double())
+    assert bool(torch.isfinite(dQ).all() and torch.isfinite(dD).all()), "a poisoned row reached a gradient"
+    torch.testing.assert_close(dQ.double(), rdQ, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dD.double(), rdD, rtol=1e-5, atol=1e-5)
+    assert taken == [("forward", fn == "pairs"), ("backward", True)], taken
+
+
+@pytest.mark.parametrize(
+    "case",
+    [Ragged((0, 0), (3, 0), pairs=((0, 0), (1, 1), (0, 1))), Ragged((2, 3), (0, 0), pairs=((1, 0), (0, 1))),
+     Ragged((0, 0), (3, 4)), Ragged((2, 3), (0, 0, 0))],
+    ids=["no-query-token", "no-document-token", "varlen-no-query-token", "varlen-no-document-token"],
+)  # fmt: skip
+def test_no_token_at_all(case, taken):
+    """Every query (or every document) without tokens: scores 0, argmax -1, zero gradients."""
+    case = dataclasses.replace(case, max_seqlen="bound")
+    s, arg, dQ, dD = check_ragged(case, "cpu")
+    assert not bool(s.any()) and bool((arg == -1).all())
+    assert not bool(dQ.any()) and not bool(dD.any())
+    assert taken == [("forward", case.pairs is not None), ("backward", True)], taken
+
+
+# ----------------------------------------------------------------------------------------------------
+# what never takes this path
+
+
+def _layout(cu_q, cu_d, pq=None, pd=None, max_q=6, max_d=8) -> Layout:
+    t = torch.tensor
+    return Layout(t(cu_q), t(cu_d), None if pq is None else t(pq), None if pd is None else t(pd), max_q, max_d)
+
+
+@pytest.mark.parametrize(
+    "rg",
+    [_layout((0, 4, 10), (0, 5, 12), (0, 2), (1, 0)), _layout((0, 4, 10), (0, 5, 12), (0, -1), (1, 0)),
+     _layout((0, 4, 10), (0, 5, 12), (0, 1), (2, 0)), _layout((0, 4, 10), (0, 5, 13), (0, 1), (1, 0)),
+     _layout((0, 4, 10), (-2, 5, 12), (0, 1), (1, 0)), _layout((0, 4, 10), (0, 9, 5), (0, 1), (1, 0)),
+     _layout((0, 4, 10), (0, 5, 12), (0, 1), (1, 0), max_d=6), _layout((0, 4, 10), (0, 5, 13)),
+     _layout((0, 4, 10), (0, 5, 12), max_q=5)],
+    ids=["query-id-too-large", "query-id-negative", "document-id-too-large", "offset-past-the-rows",
+         "negative-offset", "decreasing-offsets", "longer-than-max_seqlen", "varlen-offset-past-the-rows",
+         "varlen-longer-than-max_seqlen"],
+)  # fmt: skip
+def test_out_of_range_ids_or_offsets_are_not_taken(rg):
+    """Unvalidated ids, offsets or lengths out of range: the general path's checked blocks score those NaN."""
+    Q, D = torch.randn(10, 8), torch.randn(12, 8)
+    assert cpu_small.plan(Q, D, rg) is None
+    assert cpu_small.forward(Q, D, False, True, rg) is None
+    argmax = torch.zeros((1, 2, 6) if rg.pair_q is not None else (2, 2, 6), dtype=torch.int32)
+    assert cpu_small.backward(torch.ones(argmax.shape[:-1]), Q, D, argmax, False, rg) is None
+
+
+def test_tensors_off_the_cpu_are_never_read():
+    """Off the CPU the read-back of offsets and ids would be a sync: ``meta`` tensors (no values to read) are turned
+    down before any read, whichever of them is off the CPU."""
+    meta = dict(device="meta")
+    Q, D = torch.randn(6, 8), torch.randn(7, 8)
+    cu_q, cu_d = torch.tensor([0, 2, 6]), torch.tensor([0, 3, 7])
+    pq, pd = torch.tensor([0, 1, 1]), torch.tensor([1, 0, 1])
+    assert cpu_small.plan(Q, D, Layout(cu_q, cu_d, pq, pd, 4, 4)) is not None
+    for i in range(6):
+        tensors = [Q, D, cu_q, cu_d, pq, pd]
+        tensors[i] = torch.empty(tensors[i].shape, dtype=tensors[i].dtype, **meta)
+        rg = Layout(*tensors[2:], 4, 4)
+        assert cpu_small.plan(tensors[0], tensors[1], rg) is None
+
+
+def test_bounds():
+    """Problems above the bounds (by the given maxima) and varlen forwards take the general path."""
+    Q, D = torch.randn(6, 8), torch.randn(7, 8)
+    cu_q, cu_d = torch.tensor([0, 2, 6]), torch.tensor([0, 3, 7])
+    pq, pd = torch.tensor([0, 1, 1]), torch.tensor([1, 0, 1])
+    assert cpu_small.plan(Q, D, Layout(cu_q, cu_d, pq, pd, 4, 4)) is not None
+    big = cpu_small.MAX_PAIR_SIMS // (3 * 4) + 1  # 3 pairs x max_q 4 x max_d `big`: just above the bound
+    assert cpu_small.plan(Q, D, Layout(cu_q, cu_d, pq, pd, 4, big)) is None
+    assert cpu_small.plan(Q, D, Layout(cu_q, cu_d, None, None, 4, 4)) is not None
+    assert cpu_small.plan(Q, D, Layout(cu_q, cu_d, None, None, 4, cpu_small.MAX_CROSS_SIMS // 16 + 1)) is None
+    for need_argmax in (False, True):
+        assert cpu_small.forward(Q, D, False, need_argmax, Layout(cu_q, cu_d, None, None, 4, 4)) is None
