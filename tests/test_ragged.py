@@ -681,6 +681,30 @@ def test_pair_walk_leaves_unlisted_documents_alone(normalize, device, monkeypatc
     torch.testing.assert_close(grads[1][1], grads[0][1], equal_nan=True, **exact)
 
 
+@pytest.mark.parametrize("q_lens,walks", [((9, 17), True), ((9, 65), False)], ids=["short", "long"])
+@pytest.mark.parametrize("index", ["scan", "csr"])
+def test_pair_list_documents_walk_where_queries_are_short(q_lens, walks, index, device, monkeypatch):
+    """The Triton backward owns a pair list's documents with one program per (document, dim block) walking its token
+    blocks where every query fits one ``TQ`` block (at most 64 tokens), by the scan or the index alike; longer
+    queries keep a program per (document, token block, dim block). Gradients match the reference either way."""
+    if not triton_usable(device):
+        pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
+    from maxsim.kernels import launch
+
+    if index == "csr":
+        monkeypatch.setattr(launch, "PAIR_SCAN_MAX_WORK", 0)
+    case = Ragged(q_lens, (20, 8, 70), pairs=((0, 0), (1, 2), (0, 2), (1, 1)), return_argmax=False)
+    launch._bplans.clear()
+    with maxsim.backend("triton"):
+        check_ragged(case, device)
+    (plan,) = launch._bplans.values()
+    n_programs, _ints, constexprs = plan.main
+    assert constexprs["DOC_WALK"] is walks and constexprs["SCAN_D"] is (index == "scan")
+    n_dq = 0 if plan.dq_scatter else len(q_lens) * -(-max(q_lens) // constexprs["BT"])
+    blocks = 1 if walks else -(-70 // constexprs["BN"])  # (the longest document: 70 tokens)
+    assert n_programs == n_dq + 3 * blocks * -(-case.dim // constexprs["BLOCK_K"])
+
+
 @pytest.mark.parametrize("fn", ["varlen", "pairs"])
 def test_nan_propagates(fn, backend, device):
     """A NaN in a document token makes its scores NaN (for non-empty queries); nothing else is touched."""
