@@ -319,7 +319,7 @@ def _dd_program(
     it loads the (first) query's argmax and rows once, then writes the document's token blocks in turn, an MMA and
     a store each (one more MMA per further pair of the document, whose loads are repeated per block). One program
     per token block spent most of its life waiting on those loads (H100, backward of candidates 256x16 Lq32 Ld300
-    244 -> 118 us; of a pair list of 2048 pairs from a pool of 1024, Lq 8-32 Ld 20-1000, 123 -> 87 us)."""
+    244 -> 118 us; of a pair list of 2048 pairs from a pool of 1024, Lq 8-32 Ld 20-1000, 126 -> 90 us)."""
     kb = pid % n_kb
     if DOC_WALK:
         doc = (pid // n_kb).to(tl.int64)
@@ -485,7 +485,7 @@ def maxsim_bwd_kernel(
 
     Pair-grid sizes: ``K`` is the score grid's (a pair list: ``P``) for the gather; ``Nq``, ``K_dd`` (documents of
     a pair list) and ``P`` for the owner. ``DOC_WALK``: every query has at most ``TQ`` tokens and every
-    document was scored by one of them (candidates, aligned pairs) or is found through the pair list's CSR index;
+    document was scored by one of them (candidates, aligned pairs) or is found by the pair list's scan or index;
     its owner programs are one per (document, dim block), see :func:`_dd_program`."""
     pid = tl.program_id(0)
     # (a launch of one side tests nothing: the branch costs a dQ-only variant ~35 registers, a program per SM)
