@@ -12,6 +12,7 @@ from helpers import INTERPRET, int_grid, rand_mask, randn
 
 from maxsim.kernels import launch
 from maxsim.kernels.configs import forward_config
+from maxsim.kernels.sizes import cdiv
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() or INTERPRET), reason="Triton kernels: a GPU or TRITON_INTERPRET=1"
@@ -26,9 +27,9 @@ def _both(monkeypatch, Q, D, qm, dm, normalize, argmax):
     plain = launch.forward(Q, D, qm, dm, normalize, argmax, cfg=dataclasses.replace(cfg, persist=0))
     monkeypatch.setattr(launch, "_sm_count", lambda device: 1)
     persistent = launch.forward(Q, D, qm, dm, normalize, argmax, cfg=dataclasses.replace(cfg, persist=1))
-    grid = launch.triton_cdiv(Nq, cfg.BQ) * launch.triton_cdiv(Lq, cfg.TQ)  # (cfg.BQ = 1
+    grid = cdiv(Nq, cfg.BQ) * cdiv(Lq, cfg.TQ)  # (cfg.BQ = 1
     # for candidates: a program walks one query's documents)
-    tiles = launch.triton_cdiv(D.shape[2], cfg.BLOCK_N)
+    tiles = cdiv(D.shape[2], cfg.BLOCK_N)
     assert launch._docs_per_program(grid, D.shape[1], 1, tiles) > 1  # the case really walks several documents
     return plain, persistent
 

@@ -659,6 +659,30 @@ def test_pair_scan_and_index_agree_bitwise(backward, device, monkeypatch):
         torch.testing.assert_close(grads[0][0], grads[1][0])
 
 
+@pytest.mark.parametrize("listed", [8, 9, 13])
+def test_pair_scan_walk_past_its_held_pairs(listed, device, monkeypatch):
+    """A scanning walk keeps the ids of a document's first ``HELD`` (8) pairs from one scan and scans again per
+    token block for the rest: documents listed 8, 9 and 13 times (one of 70 tokens, one of a single token chosen
+    by every query token, where the order of the partial sums shows in the rounding) get dD bitwise equal to the
+    index's walk, and the reference's gradients."""
+    if not triton_usable(device):
+        pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
+    from maxsim.kernels import backward as backward_kernels
+    from maxsim.kernels import launch
+
+    assert backward_kernels.HELD == 8
+    pairs = ((1, 2), *((i % 3, d) for i in range(listed) for d in (0, 1)))
+    case = Ragged((9, 3, 17), (70, 1, 8), pairs=pairs, dim=16, return_argmax=False)
+    launch._bplans.clear()
+    with maxsim.backend("triton"):
+        check_ragged(case, device)
+    (plan,) = launch._bplans.values()
+    assert plan.main[2]["SCAN_D"] and plan.main[2]["DOC_WALK"], "the case must take the scanning walk"
+    b = build(case, device)
+    grads = _grads_by_scan_then_index(case, b, upstream_grad((len(pairs),), seed=5, device=device), monkeypatch)
+    assert torch.equal(grads[0][1], grads[1][1]), "dD: scan and index differ"
+
+
 @pytest.mark.parametrize("normalize", [False, True])
 def test_pair_walk_leaves_unlisted_documents_alone(normalize, device, monkeypatch):
     """Through the CSR index, a document that no pair lists still gets its owner program, which reads the entry at
@@ -682,24 +706,30 @@ def test_pair_walk_leaves_unlisted_documents_alone(normalize, device, monkeypatc
 
 
 @pytest.mark.parametrize("q_lens,walks", [((9, 17), True), ((9, 65), False)], ids=["short", "long"])
-@pytest.mark.parametrize("index", ["scan", "csr"])
+@pytest.mark.parametrize("index", ["scan", "csr", "bound"])
 def test_pair_list_documents_walk_where_queries_are_short(q_lens, walks, index, device, monkeypatch):
     """The Triton backward owns a pair list's documents with one program per (document, dim block) walking its token
     blocks where every query fits one ``TQ`` block (at most 64 tokens), by the scan or the index alike; longer
-    queries keep a program per (document, token block, dim block). Gradients match the reference either way."""
+    queries keep a program per (document, token block, dim block). Gradients match the reference either way.
+    The scan's bound counts one scan per program: at (programs x pairs) of the walk, the walk scans and the
+    per-block layout (more programs) takes the index."""
     if not triton_usable(device):
         pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
     from maxsim.kernels import launch
 
-    if index == "csr":
-        monkeypatch.setattr(launch, "PAIR_SCAN_MAX_WORK", 0)
     case = Ragged(q_lens, (20, 8, 70), pairs=((0, 0), (1, 2), (0, 2), (1, 1)), return_argmax=False)
+    cfg = launch.backward_config(max(q_lens), case.dim, False, False)
+    assert cfg.BN < 70, "the longest document must span several token blocks"
+    if index != "scan":
+        n_kb = -(-case.dim // cfg.BLOCK_K)
+        monkeypatch.setattr(launch, "PAIR_SCAN_MAX_WORK", 0 if index == "csr" else 3 * n_kb * len(case.pairs))
     launch._bplans.clear()
     with maxsim.backend("triton"):
         check_ragged(case, device)
     (plan,) = launch._bplans.values()
     n_programs, _ints, constexprs = plan.main
-    assert constexprs["DOC_WALK"] is walks and constexprs["SCAN_D"] is (index == "scan")
+    scans = index == "scan" or (index == "bound" and walks)
+    assert constexprs["DOC_WALK"] is walks and constexprs["SCAN_D"] is scans
     n_dq = 0 if plan.dq_scatter else len(q_lens) * -(-max(q_lens) // constexprs["BT"])
     blocks = 1 if walks else -(-70 // constexprs["BN"])  # (the longest document: 70 tokens)
     assert n_programs == n_dq + 3 * blocks * -(-case.dim // constexprs["BLOCK_K"])

@@ -108,13 +108,15 @@ def dense_case(nq: int, nd: int, lq: int, ld: int, dim: int = 128, candidates: b
     return {"infer": infer, "train step": step, "floor step": floor}
 
 
-def pair_list_case(nq: int, k: int, lq: int, ld: int, dim: int = 128) -> dict:
+def pair_list_case(nq: int, k: int, lq: int, ld: int, dim: int = 128, pool: int | None = None) -> dict:
+    """``nq`` queries with ``k`` candidates each, from a pool of ``pool`` documents (``nq * k``: each used once)."""
+    n_docs = nq * k if pool is None else pool
     Q = torch.randn(nq * lq, dim, dtype=torch.bfloat16, device=DEV).requires_grad_()
-    D = torch.randn(nq * k * ld, dim, dtype=torch.bfloat16, device=DEV).requires_grad_()
+    D = torch.randn(n_docs * ld, dim, dtype=torch.bfloat16, device=DEV).requires_grad_()
     cu_q = torch.arange(0, (nq + 1) * lq, lq, dtype=torch.int32, device=DEV)
-    cu_d = torch.arange(0, (nq * k + 1) * ld, ld, dtype=torch.int32, device=DEV)
+    cu_d = torch.arange(0, (n_docs + 1) * ld, ld, dtype=torch.int32, device=DEV)
     pq = torch.arange(nq, device=DEV, dtype=torch.int32).repeat_interleave(k)
-    pd = torch.arange(nq * k, device=DEV, dtype=torch.int32)
+    pd = torch.arange(nq * k, device=DEV, dtype=torch.int32) % n_docs
     g = torch.randn(nq * k, device=DEV)
 
     def call():
@@ -129,7 +131,14 @@ def pair_list_case(nq: int, k: int, lq: int, ld: int, dim: int = 128) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--profile", action="store_true", help="cProfile of the 32x32 training step")
+    ap.add_argument(
+        "--profile",
+        nargs="?",
+        const="cross 32x32 Lq32 Ld80",
+        default=None,
+        metavar="CASE",
+        help="cProfile of a case's training step (default: cross 32x32 Lq32 Ld80)",
+    )
     args = ap.parse_args()
     stub_gpu()
     cases = {
@@ -138,12 +147,13 @@ def main() -> None:
         "cross 64x64 Lq23 Ld333 d96": dense_case(64, 64, 23, 333, 96),
         "candidates 64x32 Ld180": dense_case(64, 32, 32, 180, candidates=True),
         "pair list 64x32 Ld180": pair_list_case(64, 32, 32, 180),
+        "pair list pool 1024 Ld1000": pair_list_case(64, 32, 32, 1000, pool=1024),
     }
     for name, fns in cases.items():
         cols = "   ".join(f"{k} {us_per_call(f, 3000 if k == 'infer' else 1000):6.1f} us" for k, f in fns.items())
         print(f"{name:28s} {cols}", flush=True)
     if args.profile:
-        step = cases["cross 32x32 Lq32 Ld80"]["train step"]
+        step = cases[args.profile]["train step"]
         pr = cProfile.Profile()
         pr.enable()
         for _ in range(3000):

@@ -44,6 +44,7 @@ from .segments import OFFSETS, doc_segment, query_segment
 
 NORM_EPS: tl.constexpr = tl.constexpr(NORM_EPS_VALUE)
 SCAN = tl.constexpr(1024)  # pair ids compared per step when a short pair list is scanned (PAIR_SCAN)
+HELD = tl.constexpr(8)  # pair ids of a document a scanning walk keeps in registers (see _dd_program)
 WALK_QUERIES: tl.constexpr = tl.constexpr(0)  # how a dD walk finds its entries (see _dd_load)
 WALK_CSR: tl.constexpr = tl.constexpr(1)
 WALK_PAIRS: tl.constexpr = tl.constexpr(2)
@@ -319,7 +320,10 @@ def _dd_program(
     it loads the (first) query's argmax and rows once, then writes the document's token blocks in turn, an MMA and
     a store each (one more MMA per further pair of the document, whose loads are repeated per block). One program
     per token block spent most of its life waiting on those loads (H100, backward of candidates 256x16 Lq32 Ld300
-    244 -> 118 us; of a pair list of 2048 pairs from a pool of 1024, Lq 8-32 Ld 20-1000, 126 -> 90 us)."""
+    244 -> 118 us; of a pair list of 2048 pairs from a pool of 1024, Lq 8-32 Ld 20-1000, 126 -> 90 us). A scanning
+    walk (``PAIR_SCAN``) keeps the ids of the document's first ``HELD`` pairs from its one scan, so that the scan
+    stays cheaper than building the index for lists whose documents recur (the same pool: the index's 22 us launch
+    gone and the backward 90 -> 73 us; a list of one pair per document 70 -> 73 us)."""
     kb = pid % n_kb
     if DOC_WALK:
         doc = (pid // n_kb).to(tl.int64)
@@ -341,19 +345,32 @@ def _dd_program(
             D, DSEG, b, kk, K, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, D_KIND
         )
     if DOC_WALK:
-        # A pair list's document: its pairs in pair order, from the CSR index by document or (PAIR_SCAN) a scan of
+        # A pair list's document: its pairs in pair order, from the CSR index by document or (PAIR_SCAN) one scan of
         # the pair ids. The first one's operands are loaded once; further ones (a document listed for several
-        # queries) are found and loaded again for each token block.
+        # queries) are loaded again for each token block, their ids read from the index or held from the scan.
         if PAIR_LIST:
             if PAIR_SCAN:
+                # One scan keeps the document's first HELD pair ids (in pair order) in registers for every block;
+                # only a document listed more often scans again per block for the rest.
+                slots = tl.arange(0, HELD)
+                held = tl.zeros([HELD], dtype=tl.int64) + P
                 n_listed = tl.full([], 0, tl.int32)
-                first = tl.full([], 0, tl.int64) + P
                 for c0 in range(0, P, SCAN):
                     cols = c0 + tl.arange(0, SCAN)
                     mine = tl.load(PD + cols, mask=cols < P, other=-1) == kk
-                    n_listed += tl.sum(mine.to(tl.int32), 0)
-                    first = tl.minimum(first, tl.min(tl.where(mine, cols, P), 0).to(tl.int64))
+                    n_mine = tl.sum(mine.to(tl.int32), 0)
+                    n_keep = tl.minimum(n_mine, tl.maximum(HELD - n_listed, 0))
+                    # (the chunk's first pair by a min, as cheap as the count; a rank only for more of them)
+                    p0 = tl.min(tl.where(mine, cols, P), 0).to(tl.int64)
+                    held = tl.where((slots == n_listed) & (n_keep > 0), p0, held)
+                    if n_keep > 1:
+                        rank = tl.cumsum(mine.to(tl.int32), 0)
+                        for h in range(1, n_keep):
+                            p = tl.sum(tl.where(mine & (rank == h + 1), cols, 0), 0).to(tl.int64)
+                            held = tl.where(slots == n_listed + h, p, held)
+                    n_listed += n_mine
                 listed = n_listed > 0
+                first = tl.min(held, 0)
             else:
                 e_lo = tl.load(DOFF + kk).to(tl.int64)
                 e_hi = tl.load(DOFF + kk + 1).to(tl.int64)
@@ -380,14 +397,28 @@ def _dd_program(
                 if PAIR_LIST:
                     if PAIR_SCAN:
                         if n_listed > 1:
+                            # (not software-pipelined: a document has few pairs, and the pipeline's prologue
+                            # cost every block of a one-pair document; H100, 2048 pairs on their own documents,
+                            # Lq 32 Ld 180: backward 93 us pipelined, 73 not)
+                            for h in tl.range(1, tl.minimum(n_listed, HELD), num_stages=1):
+                                p = tl.sum(tl.where(slots == h, held, 0), 0)
+                                a_e, qt_e, w_e = _dd_load(
+                                    p, 1, K, kk, G, ARG, Q, INV_Q, QSEG, PQ, DPERM, Lq, n_qseq, n_qrows,
+                                    sq_n, sq_l, sqs, sg, kd, kd_ok, TQ, Q_KIND, WALK_PAIRS, NORMALIZE,
+                                )  # fmt: skip
+                                acc = _dd_add(acc, a_e, qt_e, w_e, j, NORMALIZE, DOT_PRECISION, UPCAST)
+                        if n_listed > HELD:  # the pairs past the held ones, in pair order
+                            seen = tl.full([], 0, tl.int32)
                             for c0 in range(0, P, SCAN):
                                 cols = c0 + tl.arange(0, SCAN)
-                                mine = (tl.load(PD + cols, mask=cols < P, other=-1) == kk) & (cols != first)
-                                n_mine = tl.sum(mine.to(tl.int32), 0)
-                                if n_mine > 0:
-                                    rank = tl.cumsum(mine.to(tl.int32), 0)
-                                    for h in range(0, n_mine):
-                                        p = tl.sum(tl.where(mine & (rank == h + 1), cols, 0), 0).to(tl.int64)
+                                mine = tl.load(PD + cols, mask=cols < P, other=-1) == kk
+                                late = mine & (seen + tl.cumsum(mine.to(tl.int32), 0) > HELD)
+                                seen += tl.sum(mine.to(tl.int32), 0)
+                                n_late = tl.sum(late.to(tl.int32), 0)
+                                if n_late > 0:
+                                    rank = tl.cumsum(late.to(tl.int32), 0)
+                                    for h in range(0, n_late):
+                                        p = tl.sum(tl.where(late & (rank == h + 1), cols, 0), 0).to(tl.int64)
                                         a_e, qt_e, w_e = _dd_load(
                                             p, 1, K, kk, G, ARG, Q, INV_Q, QSEG, PQ, DPERM, Lq, n_qseq, n_qrows,
                                             sq_n, sq_l, sqs, sg, kd, kd_ok, TQ, Q_KIND, WALK_PAIRS, NORMALIZE,

@@ -19,6 +19,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .sizes import cdiv
+
 # P · (P + n) comparisons at most: with 64 x 128 tiles, at most ~4k tiles spread over the programs.
 MAX_WORK = 1 << 25
 BP, BC = 64, 128  # rows (pairs or offsets) per program, ids compared per step
@@ -56,5 +58,5 @@ def csr_count_kernel(IDS, OFFSETS, ORDER, P, n, n_pblocks, BP: tl.constexpr, BC:
 
 def grid(P: int, n: int) -> tuple[int, int]:
     """``(programs, pair-placing programs)`` of :func:`csr_count_kernel` for ``P`` pairs and ``n`` groups."""
-    n_pblocks = triton.cdiv(P, BP)
-    return n_pblocks + triton.cdiv(n + 1, BP), n_pblocks
+    n_pblocks = cdiv(P, BP)
+    return n_pblocks + cdiv(n + 1, BP), n_pblocks

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from ..layout import NORM_EPS as NORM_EPS_VALUE
 from .normalize import project_rows
+from .sizes import cdiv
 
 NORM_EPS: tl.constexpr = tl.constexpr(NORM_EPS_VALUE)
 BL = 1024  # links per program of link_keys_kernel
@@ -79,4 +80,4 @@ def dd_gather_kernel(
 
 
 def keys_grid(n_links: int) -> int:
-    return triton.cdiv(n_links, BL)
+    return cdiv(n_links, BL)

@@ -20,6 +20,7 @@ from .backward import maxsim_bwd_kernel, maxsim_bwd_scatter_kernel
 from .configs import BackwardConfig, ForwardConfig, backward_config, forward_config, streaming_config
 from .forward import maxsim_fwd_kernel
 from .launcher import INTERPRETER, Launcher
+from .sizes import cdiv
 
 _fwd = Launcher(maxsim_fwd_kernel)
 _bwd = Launcher(maxsim_bwd_kernel)
@@ -113,10 +114,6 @@ def _upcast(dtype: torch.dtype) -> bool:
 
 def _last_dim_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class _Segs(NamedTuple):
@@ -241,10 +238,10 @@ def _docs_per_program(base: int, K: int, slots: int, tiles: int, one_doc_gain: f
     cost is divided by ``one_doc_gain`` where the hardware keeps more of those programs resident than ``slots``
     counts (they then overlap one's MMA with another's running max)."""
     best_cost, best_docs = None, 1
-    for waves in [*range(1, 9), triton_cdiv(base * K, slots)]:
+    for waves in [*range(1, 9), cdiv(base * K, slots)]:
         n_kprogs = max(1, min(K, waves * slots // base))
-        docs = triton_cdiv(K, n_kprogs)
-        cost = triton_cdiv(base * triton_cdiv(K, docs), slots) * (docs * tiles + 3)
+        docs = cdiv(K, n_kprogs)
+        cost = cdiv(base * cdiv(K, docs), slots) * (docs * tiles + 3)
         if docs == 1:
             cost /= one_doc_gain
         if best_cost is None or cost < best_cost:
@@ -325,17 +322,15 @@ def forward_keeping_norms(
     shared = Bd == 1 and not sg.pairs
     from_table = cfg is None
     cfg = cfg or forward_config(Lq, dim, Nq, shared)
-    stream = not need_argmax and _streams(
-        sg, shared, triton_cdiv(Nq, cfg.BQ), triton_cdiv(Lq, cfg.TQ), cfg, D, d_mask is not None
-    )
+    stream = not need_argmax and _streams(sg, shared, cdiv(Nq, cfg.BQ), cdiv(Lq, cfg.TQ), cfg, D, d_mask is not None)
     if stream and from_table:
         cfg = streaming_config(cfg)
     sqm = (0, 0) if q_mask is None else q_mask.stride()
     sdm = (0, 0, 0) if d_mask is None else ((0 if shared else d_mask.stride(0)),) + d_mask.stride()[1:]
-    n_qblocks = triton_cdiv(Nq, cfg.BQ)
+    n_qblocks = cdiv(Nq, cfg.BQ)
     # Queries longer than one row block: one program per row block (more programs, shorter ones), partial scores
     # summed afterwards in a fixed order.
-    n_rsplit = triton_cdiv(Lq, cfg.TQ)
+    n_rsplit = cdiv(Lq, cfg.TQ)
     rows_per_prog = cfg.TQ if n_rsplit > 1 else Lq
     docs_per_prog = 1
     if cfg.persist and not sg.pairs and sg.d_kind == DENSE and cfg.NUM_K == 1:
@@ -345,7 +340,7 @@ def forward_keeping_norms(
         # (4 documents of 16 tiles per persistent program) 0.103 ms, one document per program 0.095 ms; with short
         # documents persistence still wins (64x64 Ld128 0.025 against 0.032 ms, 256x256 Ld300 0.54 against 0.62).
         gain = ONE_DOC_GAIN if cfg.persist == 1 else 1.0
-        docs_per_prog = _docs_per_program(n_qblocks * n_rsplit, K, slots, triton_cdiv(Ld, cfg.BLOCK_N), gain)
+        docs_per_prog = _docs_per_program(n_qblocks * n_rsplit, K, slots, cdiv(Ld, cfg.BLOCK_N), gain)
     norms_given = normalize and (
         n_rsplit >= PRENORM_MIN_ROW_BLOCKS
         or (n_qblocks >= PRENORM_MIN_QUERY_BLOCKS if shared else bool(PRENORM_UNSHARED))
@@ -354,7 +349,7 @@ def forward_keeping_norms(
     inv_d_strides = _d_strides(torch.empty(D.shape[:-1] + (1,), device="meta"), shared) if norms_given else (0, 0, 0)
     plan = _ForwardPlan(
         Nq, K, Lq, n_rsplit, norms_given,
-        n_qblocks * n_rsplit * triton_cdiv(K, docs_per_prog),
+        n_qblocks * n_rsplit * cdiv(K, docs_per_prog),
         (
             Nq, K, Lq, Ld, dim,
             sg.n_q, sg.rows_q, sg.n_d, sg.rows_d,
@@ -493,7 +488,7 @@ def _shared_owned(Nq: int, Lq: int, K: int, Ld: int, dim: int, cfg: BackwardConf
     """Whether a fast backward of the cross product owns dD (see SHARED_OWNER_MAX_WORK)."""
 
     def padded(n: int, block: int) -> int:
-        return triton_cdiv(n, block) * block
+        return cdiv(n, block) * block
 
     return Nq * K * padded(Lq, cfg.TQ) * padded(Ld, cfg.BN) * padded(dim, cfg.BLOCK_K) <= SHARED_OWNER_MAX_WORK
 
@@ -511,7 +506,7 @@ def _backward_plan(
     seg_args = (sg.n_q, sg.rows_q, sg.n_d, sg.rows_d)
     seg_strides = (sg.sqs, sg.sds_b, sg.sds_k, grad_stride)
     kinds = dict(Q_KIND=sg.q_kind, D_KIND=sg.d_kind)
-    n_tb = triton_cdiv(Lq, cfg.BT)
+    n_tb = cdiv(Lq, cfg.BT)
     n_pairs = Nq * K  # the [Nq, K] score grid (a pair list: [1, P])
     q_fresh = _q_strides(torch.empty(Q.shape, device="meta"))  # a fresh contiguous gradient's strides
     d_fresh = _d_strides(torch.empty(D.shape, device="meta"), False)
@@ -544,15 +539,20 @@ def _backward_plan(
     dense = sg.q_kind == DENSE and sg.d_kind == DENSE
     sorted_dd = deterministic and shared and dense and not owned_small and n_links >= SORTED_DD_MIN_LINKS
     dd_owned = not sorted_dd and (deterministic or not shared or owned_small)
-    n_jb = triton_cdiv(Ld, cfg.BN)
-    n_kb = triton_cdiv(dim, cfg.BLOCK_K)
+    n_jb = cdiv(Ld, cfg.BN)
+    n_kb = cdiv(dim, cfg.BLOCK_K)
     n_owned = n_docs if sg.d_kind == OFFSETS else Bd * K
-    scan_d = dd_owned and sg.pairs and n_owned * n_jb * n_kb * n_pairs <= PAIR_SCAN_MAX_WORK
     # A document that one short query scored is owned by one program per dim block, walking its token blocks (a
     # block's work is one query's: a program per block would mostly wait on its loads). With longer queries the
     # walk would reload them per block (H100: candidates 64x8 Lq128 Ld300 backward 62 -> 69 us): a program each.
     # So does a pair list's document (its pairs found by the scan or the index; see _dd_program).
     doc_walk = not shared and Lq <= cfg.TQ
+    # A walking program scans the pair ids once (the ids of a document's first HELD pairs stay in registers);
+    # otherwise each (document, token block, dim block) program scans them. (H100, training step of 2048 pairs
+    # from a pool of 1024 documents, Lq 8-32 Ld 20-1000: counted per block it took the index, whose counting
+    # launch cost 22 us of GPU time and a launch of host time.)
+    scans = n_owned * n_kb * (1 if doc_walk else n_jb)
+    scan_d = dd_owned and sg.pairs and scans * n_pairs <= PAIR_SCAN_MAX_WORK
     n_dd = (n_owned * (1 if doc_walk else n_jb) * n_kb) if dd_owned else 0
     # With normalize, a program holding whole gradient rows chains them through the normalization itself (written
     # in the input's dtype: no fp32 buffer, no pass afterwards); the rest is projected by one launch after.

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from ..layout import NORM_EPS
 from .launcher import Launcher
+from .sizes import cdiv, next_power_of_2
 
 BR = 32  # rows per program
 MAX_BD = 128  # dims per step
@@ -146,8 +147,8 @@ def _rows(x: Tensor) -> Tensor:
 
 
 def _constexprs(dim: int) -> dict:
-    bd = min(triton.next_power_of_2(max(dim, 16)), MAX_BD)
-    return dict(BR=BR, BD=bd, NUM_D=triton.cdiv(dim, bd), EPS=NORM_EPS)
+    bd = min(next_power_of_2(max(dim, 16)), MAX_BD)
+    return dict(BR=BR, BD=bd, NUM_D=cdiv(dim, bd), EPS=NORM_EPS)
 
 
 def inverse_norms(Q: Tensor, D: Tensor) -> tuple[Tensor, Tensor]:
@@ -156,8 +157,8 @@ def inverse_norms(Q: Tensor, D: Tensor) -> tuple[Tensor, Tensor]:
     q, d = _rows(Q), _rows(D)
     inv_q = torch.empty(Q.shape[:-1], dtype=torch.float32, device=Q.device)
     inv_d = torch.empty(D.shape[:-1], dtype=torch.float32, device=D.device)
-    p1 = triton.cdiv(q.shape[0], BR)
-    grid = p1 + triton.cdiv(d.shape[0], BR)
+    p1 = cdiv(q.shape[0], BR)
+    grid = p1 + cdiv(d.shape[0], BR)
     if grid:
         ints = (q.shape[0], d.shape[0], q.stride(0), d.stride(0), Q.shape[-1], p1)
         _inverse_norms(grid, (q, inv_q, d, inv_d), ints, _constexprs(Q.shape[-1]), 4)
@@ -177,8 +178,8 @@ def project(gQ: Tensor | None, Q: Tensor, gD: Tensor | None, D: Tensor) -> tuple
         return None, None
     (x1, g1, o1), (x2, g2, o2) = rows[0], rows[-1]  # (one side: the second is the first, with no programs)
     n2 = x2.shape[0] if len(rows) == 2 else 0
-    p1 = triton.cdiv(x1.shape[0], BR)
-    grid = p1 + triton.cdiv(n2, BR)
+    p1 = cdiv(x1.shape[0], BR)
+    grid = p1 + cdiv(n2, BR)
     if grid:
         ints = (x1.shape[0], n2, x1.stride(0), x2.stride(0), x1.shape[-1], p1)
         _project(grid, (x1, g1, o1, x2, g2, o2), ints, _constexprs(x1.shape[-1]), 4)
