@@ -3,7 +3,8 @@
 The launch functions run on small CPU tensors with the launcher replaced by a compiler call (Triton's front end and
 ptxas, for ``sm_90``), so type and shape errors of the kernels show up here instead of on a lent GPU. Nothing is
 executed. Usage: ``python tools/compile_check.py [--full | --regs | --sass] [NAME=VALUE ...]`` (front end only; the
-whole pipeline through ptxas; that plus each variant's registers and spill bytes from ``ptxas -v``, which say how
+whole pipeline through ptxas, failing a variant that needs more shared memory than sm_90 has; that plus each
+variant's registers and spill bytes from ``ptxas -v`` and its shared memory, which say how
 many programs fit on a multiprocessor; that plus a histogram of the SASS instructions of each variant's innermost
 loops, from ``nvdisasm``); ``NAME=VALUE`` arguments keep only the variants whose kernel name
 (``kernel=maxsim_bwd_kernel``), constexprs (``SCAN_D=True``) or ``num_warps`` match. Exit status 1 if a variant
@@ -32,6 +33,7 @@ from maxsim.kernels import launch, launcher
 from maxsim.layout import Ragged
 
 TARGET = GPUTarget("cuda", 90, 32)
+SHARED_LIMIT = 232448  # bytes of shared memory a program may use on sm_90 (H100, H200)
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
           torch.int64: "i64", torch.uint8: "u8"}  # fmt: skip
 SASS = "--sass" in sys.argv
@@ -97,8 +99,11 @@ def fake_call(self, grid, tensors, ints, constexprs, num_warps, num_stages=3, pl
             if REGS:
                 flags = {k: v for k, v in constexprs.items() if isinstance(v, bool | int)}
                 data = next((sig[k] for k in ("Q", "QT", "X1") if k in sig), "?").lstrip("*")  # the inputs' dtype
-                print(f"{kernel.__name__} {data} warps={num_warps} {flags}: {ptxas_usage(compiled.asm['ptx'])}",
-                      flush=True)  # fmt: skip
+                shared = compiled.metadata.shared
+                print(f"{kernel.__name__} {data} warps={num_warps} {flags}: {ptxas_usage(compiled.asm['ptx'])}, "
+                      f"{shared} bytes shared", flush=True)  # fmt: skip
+            if compiled.metadata.shared > SHARED_LIMIT:  # (found at the first launch on a GPU, not by the compile)
+                raise RuntimeError(f"{compiled.metadata.shared} bytes of shared memory, more than {SHARED_LIMIT}")
             if SASS:
                 print(f"  loop instructions: {loop_histogram(compiled.asm['cubin'])}", flush=True)
         else:

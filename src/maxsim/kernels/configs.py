@@ -47,9 +47,11 @@ def _dim_split(dim: int) -> tuple[int, int]:
 
 
 @lru_cache(maxsize=256)
-def forward_config(Lq: int, dim: int, Nq: int, shared_docs: bool) -> ForwardConfig:
+def forward_config(Lq: int, dim: int, Nq: int, shared_docs: bool, fp32: bool = False) -> ForwardConfig:
     """Pick the forward variant (the same with or without the argmax). ``shared_docs``: every query sees the same
-    documents (cross product)."""
+    documents (cross product); ``fp32``: 4-byte tokens (see :func:`_fp32_config`)."""
+    if fp32:
+        return _fp32_config(Lq, dim, Nq, shared_docs)
     # Measured on an H200 (tools/tune.py, bf16, dim 128; runs 3-5 in docs/performance.md): packing 8 queries of 32
     # tokens (256 rows) against one document tile wins every compute-bound cross-product shape; single thin
     # queries are memory-bound and prefer 4 warps; long queries (Lq > 128) run one 128-row block per program.
@@ -82,6 +84,26 @@ def forward_config(Lq: int, dim: int, Nq: int, shared_docs: bool) -> ForwardConf
     # inference within 1 %.
     persist = (1 if BQ > 1 and num_warps == 8 else 0) if shared_docs else (4 if num_k == 1 and BQ == 1 else 0)
     return ForwardConfig(TQ, BQ, block_n, block_k, num_k, num_warps, 3, persist=persist)
+
+
+def _fp32_config(Lq: int, dim: int, Nq: int, shared_docs: bool) -> ForwardConfig:
+    """fp32 tokens go through the tensor cores as ``tf32x3`` (launch.py's ``_dot_precision``), whose split operands
+    take twice the shared memory and registers of 16-bit ones: the 16-bit table's 256-row blocks and 128-row long
+    queries would need 260-390 KB of shared memory (sm_90 has 227 KB) and spill. Blocks of at most 64 rows (longer
+    queries split into 64-row blocks), one program per document (a persistent plan would count on residents that
+    this shared memory does not allow). Measured on an H100 (`.devdata` sweep, forward without / with the argmax,
+    us): 64-row blocks against 32-token tiles in two stages (128x128 Lq32 Ld300 846 / 853, 32x32 Lq200 Ld300
+    427 / 442; three stages 1120 / 1166 and 561 / 576, 64-token tiles 920 / 1038), a single query's 32 rows
+    against 64-token tiles in three stages (1x1000 Ld300 76 / 91, candidates 64x32 Ld180 93 / 118; 16-token tiles
+    128 / 130 and 164 / 170, 128-token 211 / 205)."""
+    block_k, num_k = _dim_split(dim)
+    TQ = min(64, max(16, next_pow2(Lq)))
+    BQ = max(1, min(64 // TQ, next_pow2(Nq))) if shared_docs else 1
+    if num_k > 1:
+        BQ = max(1, BQ // 2)
+    if BQ * TQ >= 64:
+        return ForwardConfig(TQ, BQ, 32, block_k, num_k, 4, 2)
+    return ForwardConfig(TQ, BQ, 64, block_k, num_k, 4, 3)
 
 
 def streaming_config(cfg: ForwardConfig) -> ForwardConfig:
