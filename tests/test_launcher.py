@@ -343,3 +343,28 @@ def test_inference_plans_tell_the_callers_layouts_apart(device):
                 want = torch.autograd.grad(ref(*args), (Qg, Dg), g)
                 for a, b in zip(got, want, strict=True):
                     torch.testing.assert_close(a, b, msg=name)
+
+
+def test_fp32_runs_on_the_tensor_cores_at_fp32_accuracy(monkeypatch):
+    """fp32 similarities are ``tf32x3`` products (fp32 accuracy on the tensor cores; the GPU tests check ~1e-5)
+    unless torch's matmul precision allows TF32; 16-bit inputs are exact products either way. The fp32 table keeps
+    blocks of at most 64 rows and one program per document (the split operands' shared memory: see configs)."""
+    from maxsim.kernels import launch
+    from maxsim.kernels.configs import forward_config
+
+    monkeypatch.setattr(launch, "INTERPRETER", False)
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert launch._dot_precision(torch.float32) == "tf32x3"
+        torch.set_float32_matmul_precision("high")
+        assert launch._dot_precision(torch.float32) == "tf32"
+        assert launch._dot_precision(torch.bfloat16) == launch._dot_precision(torch.float16) == "ieee"
+    finally:
+        torch.set_float32_matmul_precision(before)
+    for lq in (1, 8, 32, 33, 64, 65, 1024):
+        for dim in (48, 128, 256):
+            for nq, shared in ((1, True), (256, True), (64, False)):
+                cfg = forward_config(lq, dim, nq, shared, True)
+                assert cfg.BQ * cfg.TQ <= 64 and cfg.persist == 0 and cfg.maxnreg == 0, (lq, dim, nq, shared, cfg)
+                assert min(64, lq) <= cfg.TQ, "a query longer than its block is split over programs"

@@ -456,3 +456,30 @@ def test_gradient_of_an_expanded_upstream_grad(layout, backend, device):
             rq, rd = torch.autograd.grad(ref_fn(Qr, Dr), (Qr, Dr), g.double())
             torch.testing.assert_close(gq.double(), rq, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(gd.double(), rd, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_infinite_chosen_query_token_gives_its_document_token_an_infinite_gradient(backend, device):
+    """fp32, no normalize: a query token holding +inf in one dim picks the first document token with a positive
+    entry there; that token's dD row is ``g * q``: inf in that dim, finite in the others (the Triton owner splits
+    fp32 rows into three bf16 terms: an infinite row must stay its high term, not become inf - inf = NaN)."""
+    if backend == "triton" and not triton_usable(device):
+        pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
+    Q = torch.full((1, 2, 16), 0.25, device=device)
+    Q[0, 0, 3] = float("inf")
+    D = torch.linspace(-1.0, 1.0, 5 * 16, device=device).reshape(1, 5, 16)
+    D[0, :, 3] = torch.tensor([-1.0, 0.5, 2.0, -0.5, 1.0])  # token 1: the first with a positive entry
+    Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+    with maxsim.backend(backend):
+        s, arg = maxsim.maxsim(Qg, Dg, return_argmax=True)
+        (dD,) = torch.autograd.grad(s, (Dg,), torch.full_like(s, 2.0))
+    assert arg[0, 0, 0] == 1
+    row = dD[0, 1]
+    assert row[3] == float("inf")
+    expected = torch.full_like(row, 0.5)
+    expected[3] = row[3]
+    # (the second query token's 0.5 lands on its own argmax row; token 1 may be it too)
+    if arg[0, 0, 1] == 1:
+        expected = expected + 0.5
+        expected[3] = float("inf")
+    torch.testing.assert_close(row, expected)
