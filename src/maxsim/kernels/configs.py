@@ -1,7 +1,8 @@
 """Launch configurations: a fixed heuristic keyed by coarse shape buckets, never a call-time autotune sweep.
 
-Only ``Lq``, ``dim`` (and, for the packing factor, ``Nq`` below 128 / TQ) pick a variant; ``Nq``, ``Nd``, ``K`` and
-``Ld`` are runtime arguments of every kernel, so new batch sizes or document lengths never compile anything new.
+Only ``Lq``, ``dim``, whether tokens are fp32 (their own table) and, for the packing factor, ``Nq`` below 128 / TQ
+(64 / TQ for fp32) pick a variant; ``Nq``, ``Nd``, ``K`` and ``Ld`` are runtime arguments of every kernel, so new
+batch sizes or document lengths never compile anything new.
 """
 
 from __future__ import annotations
