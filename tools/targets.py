@@ -57,12 +57,8 @@ def _rule(t: dict) -> str:
     return f"({t['R']}, {t['E']}{cap})"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("json")
-    ap.add_argument("--markdown", action="store_true")
-    a = ap.parse_args()
-    doc = json.loads(Path(a.json).read_text())
+def table(doc: dict, markdown: bool = False) -> str:
+    """The target table of a saved bench document (plain columns, or Markdown), with the count of rows met."""
     rows = targets(doc)
     head = ["mode", "workload", "maxsim ms", "best peer", "ratio", "% floor", "target ms (R, E)", "met"]
     lines = []
@@ -73,18 +69,26 @@ def main() -> None:
         lines.append([t["mode"], t["workload"], f"{t['ms']:.4g}", peer, ratio, frac,
                       f"{t['bound_ms']:.4g} " + _rule(t),
                       "yes" if t["met"] else "no"])  # fmt: skip
-    if a.markdown:
-        print("| " + " | ".join(head) + " |")
-        print("|" + "---|" * len(head))
-        for line in lines:
-            print("| " + " | ".join(line) + " |")
+    out = []
+    if markdown:
+        out.append("| " + " | ".join(head) + " |")
+        out.append("|" + "---|" * len(head))
+        out.extend("| " + " | ".join(line) + " |" for line in lines)
     else:
         widths = [max(len(x) for x in col) for col in zip(head, *lines, strict=True)]
-        for line in [head, *lines]:
-            print("  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)))
+        out.extend("  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)) for line in [head, *lines])
     met = sum(t["met"] for t in rows)
-    print(f"\n{met} of {len(rows)} maxsim rows meet their target ({doc['meta'].get('device_name')}, "
-          f"commit {doc['meta'].get('git_commit')})")  # fmt: skip
+    out.append(f"\n{met} of {len(rows)} maxsim rows meet their target ({doc['meta'].get('device_name')}, "
+               f"commit {doc['meta'].get('git_commit')})")  # fmt: skip
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("json")
+    ap.add_argument("--markdown", action="store_true")
+    a = ap.parse_args()
+    print(table(json.loads(Path(a.json).read_text()), a.markdown))
 
 
 if __name__ == "__main__":

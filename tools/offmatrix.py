@@ -1,0 +1,110 @@
+"""Off-matrix check: the bench's peers and timing on shapes nobody tuned for.
+
+Issue 5 asks that the margins hold off the matrix (dim 48/96, Lq 23, Ld 333, K 7, Nq 7 and their kin). The matrix
+holds four such rows; this tool runs a fixed list of other combinations of those sizes with the other axes moved
+too (long queries, short and long documents, many or few queries, every layout, both modes) through the bench's
+own runner, then judges each row by issue 5's rule (`tools/targets.py`: inference R = 1.15, E = 0.85; training
+R = 1.5, E = 0.70).
+
+Usage (GPU):  python tools/offmatrix.py --out DIR [--mode infer|train|all] [--only PATTERN ...] [--impl ...]
+              [--list]
+Writes DIR/<card>.json, .md, .png like `maxsim bench --out`; prints the target table. `compile` is left out unless
+named in --impl (compiling each of these shapes would take most of a device call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from maxsim.bench import report
+from maxsim.bench.peers import make_impls
+from maxsim.bench.runner import run
+from maxsim.bench.workloads import Workload, select
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from targets import table  # noqa: E402
+
+
+def _w(mode: str, layout: str, nq: int, nd: int, lq: int, ld: int, dim: int, **kw) -> Workload:
+    return Workload(mode=mode, layout=layout, nq=nq, nd=nd, lq=lq, ld=ld, dim=dim, note="off-matrix sweep", **kw)
+
+
+#: Fixed, so that runs on different days compare. Sizes mix the issue's off-matrix values (dim 48/96, Lq 23,
+#: Ld 333, K 7, Nq 7) with others the matrix does not hold (dim 64 with short documents, Lq 64/100/256,
+#: Ld 64/512/700/2048, Nq 3/16/48/200, K 20/64).
+OFF_MATRIX: tuple[Workload, ...] = (
+    _w("infer", "cross", 7, 1000, 23, 333, 48),
+    _w("infer", "cross", 1, 1000, 23, 333, 96),
+    _w("infer", "cross", 1, 5000, 64, 180, 128),
+    _w("infer", "cross", 16, 2000, 32, 512, 64),
+    _w("infer", "cross", 48, 48, 23, 333, 96),
+    _w("infer", "cross", 200, 200, 32, 128, 128),
+    _w("infer", "cross", 1, 300, 256, 700, 128),
+    _w("infer", "cross", 3, 777, 100, 333, 96),
+    _w("infer", "cross", 64, 64, 23, 64, 64),
+    _w("infer", "candidates", 7, 7, 23, 333, 96),
+    _w("infer", "candidates", 64, 20, 64, 300, 128),
+    _w("infer", "candidates", 16, 100, 23, 333, 48),
+    _w("infer", "candidates", 128, 7, 32, 1024, 64),
+    _w("infer", "pairs", 1000, 1000, 23, 333, 96),
+    _w("infer", "pairs", 64, 64, 32, 2048, 128),
+    _w("infer", "varlen", 7, 1000, 23, 333, 96, lq_min=5, ld_min=20),
+    _w("infer", "pairlist", 48, 20, 23, 333, 48, lq_min=5, ld_min=20, pool=512),
+    _w("train", "cross", 48, 48, 23, 333, 48),
+    _w("train", "cross", 16, 16, 64, 512, 128),
+    _w("train", "cross", 100, 100, 32, 180, 96),
+    _w("train", "cross", 128, 128, 23, 333, 128),
+    _w("train", "cross", 32, 32, 23, 64, 64),
+    _w("train", "candidates", 32, 7, 23, 333, 96),
+    _w("train", "candidates", 128, 8, 64, 256, 128),
+    _w("train", "candidates", 16, 64, 32, 180, 64),
+    _w("train", "pairs", 256, 256, 23, 333, 48),
+    _w("train", "pairs", 1000, 1000, 32, 180, 128),
+    _w("train", "varlen", 48, 96, 23, 333, 96, lq_min=5, ld_min=20),
+    _w("train", "pairlist", 32, 7, 23, 333, 48, lq_min=5, ld_min=20, pool=128),
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="write <card>.json/.md/.png here")
+    ap.add_argument("--mode", default="all", choices=("infer", "train", "all"))
+    ap.add_argument("--only", nargs="+", metavar="PATTERN", help="names, keys or shell patterns")
+    ap.add_argument("--impl", nargs="+", default=["maxsim", "eager", "lik", "flash"])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--list", action="store_true", help="list the workloads and exit")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    workloads = select(args.mode, args.only, table=OFF_MATRIX)
+    if args.list:
+        for w in workloads:
+            print(f"{w.key:50s} {w.shape_str()}")
+        return 0
+    if not torch.cuda.is_available():
+        print("offmatrix: needs a CUDA device (the targets are GPU targets)", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    result = run(
+        workloads,
+        make_impls(args.impl),
+        device="cuda",
+        dtype=torch.bfloat16,
+        rounds=args.rounds,
+        progress=not args.no_progress,
+    )
+    print(report.terminal_table(result))
+    print(f"\nfinished in {time.perf_counter() - t0:.1f} s")
+    if args.out:
+        for path in report.write_outputs(result, args.out):
+            print(f"wrote {path}")
+    print(table(report.to_json(result), markdown=True))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
