@@ -1,6 +1,6 @@
 """Interleaved A/B of launch settings (module constants of ``maxsim.kernels.launch``) in one process.
 
-Each variant is a set of ``NAME=VALUE`` assignments; the bench's workloads run under every variant in turn (plans
+Each variant is a set of ``NAME=VALUE`` assignments; the bench's workloads (and tools/offmatrix.py's) run under every variant in turn (plans
 cleared at each switch), 7 rounds by default, ``triton.testing.do_bench`` with its L2 flush, and a per-kernel GPU
 profile of each variant follows. Host-bound rows move by 2x between calls on the lent machines: only variants timed
 side by side in one process are compared.
@@ -17,13 +17,14 @@ import statistics
 
 import torch
 from ab_steps import _scorers  # tools/ is on sys.path when this runs as a script
+from offmatrix import OFF_MATRIX
 from probe_common import kernel_table
 from triton.testing import do_bench
 
 import maxsim
 from maxsim.bench.peers import MaxsimImpl
 from maxsim.bench.runner import make_call
-from maxsim.bench.workloads import RAGGED_LAYOUTS, make_inputs, seed_of, select
+from maxsim.bench.workloads import RAGGED_LAYOUTS, WORKLOADS, make_inputs, seed_of, select
 from maxsim.kernels import configs, launch
 
 MODULES = {"launch": launch, "configs": configs}
@@ -74,7 +75,7 @@ def main() -> None:
     defaults = {n: getattr(*_owner(n)) for n in names}
     dev, dt = torch.device("cuda"), torch.bfloat16
     impl = MaxsimImpl(*_scorers(maxsim, True)) if args.normalize else MaxsimImpl()
-    for w in select(mode=args.mode, only=args.patterns or None):
+    for w in select(mode=args.mode, only=args.patterns or None, table=WORKLOADS + OFF_MATRIX):
         inp = make_inputs(w, dev, dt, seed_of(w))
         if w.layout in RAGGED_LAYOUTS:
             fn, operands = impl.prepare_ragged(w, inp, dev, dt)

@@ -53,6 +53,15 @@ SORTED_DD_WARPS = 1
 # H100, backward GPU time (gather + atomics): 256x256 Ld300 484 -> 424 us, 32x32 Lq1024 Ld1024 220 -> 204 us,
 # off-matrix dim 96 41 -> 34 us; training steps 0.95x, 0.98x, 0.94x, and 64x64 Ld1024 (host-bound) 0.87x.
 FUSED_SCATTER = 1
+# A dQ gather of few programs over many pairs each (few queries against many documents or candidates: cross 1x1000
+# Lq64 Ld300 trains in ~1 ms, nearly all of it 4 programs walking 1000 documents) splits each query's walk into
+# slices of at least DQ_SPLIT_MIN_PAIRS pairs, enough of them for DQ_SPLIT_PROGRAMS_PER_SM programs a multiprocessor,
+# each summing its slice into an fp32 buffer that one reduction sums in slice order (deterministic; the same slices
+# in both backward modes). Only walks of at least DQ_SPLIT_MIN_K pairs: the reduction is a launch of host time more.
+# (The split count and slice length are runtime integers: splitting compiles one more variant, an fp32 DQ, once.)
+DQ_SPLIT_MIN_K = 128
+DQ_SPLIT_MIN_PAIRS = 32
+DQ_SPLIT_PROGRAMS_PER_SM = 2
 # Pairs the dQ walk gathers per step when it has the launch to itself, and when it shares it with the owner or the
 # atomics (see _backward_plan).
 DQ_UNROLL = 4
@@ -466,6 +475,7 @@ class _BackwardPlan(NamedTuple):
 
     grad_contiguous: bool  # the fp32 upstream gradient must be made contiguous first
     dq_scatter: bool  # dQ by atomics into a zeroed fp32 buffer (a long pair list) instead of the gather
+    dq_splits: int  # slices of each query's dQ walk (> 1: an fp32 partial per slice, summed after; see DQ_SPLIT_*)
     dq_dtype: torch.dtype
     q_csr: bool  # the dQ gather walks a CSR index of the pairs by query
     n_queries: int
@@ -494,6 +504,14 @@ def _shared_owned(Nq: int, Lq: int, K: int, Ld: int, dim: int, cfg: BackwardConf
         return cdiv(n, block) * block
 
     return Nq * K * padded(Lq, cfg.TQ) * padded(Ld, cfg.BN) * padded(dim, cfg.BLOCK_K) <= SHARED_OWNER_MAX_WORK
+
+
+def _dq_splits(n_programs: int, K: int, device: torch.device) -> int:
+    """Slices of each query's dQ walk over ``K`` pairs when the gather has ``n_programs`` (see DQ_SPLIT_*)."""
+    if K < DQ_SPLIT_MIN_K:
+        return 1
+    want = cdiv(DQ_SPLIT_PROGRAMS_PER_SM * _sm_count(device), n_programs)
+    return max(1, min(want, K // DQ_SPLIT_MIN_PAIRS))
 
 
 def _backward_plan(
@@ -531,7 +549,10 @@ def _backward_plan(
     # over more programs would need a partial-sum buffer of another dtype, i.e. a second variant compiled at a
     # data-dependent moment, which the launch table rules out.
     dq_scatter = sg.pairs and not deterministic and not scan_q
-    n_dq = 0 if dq_scatter else n_queries * n_tb
+    dq_splits = 1 if sg.pairs else _dq_splits(n_queries * n_tb, K, Q.device)
+    ks_len = cdiv(K, dq_splits)
+    dq_splits = cdiv(K, ks_len)  # (no empty slice)
+    n_dq = 0 if dq_scatter else n_queries * n_tb * dq_splits
     dq_sc = scatter(True, q_fresh, _d_strides(D, shared)) if dq_scatter else None
 
     # dD: documents scored by one query each (candidates) and pair lists take the owner programs, which are then also
@@ -559,7 +580,7 @@ def _backward_plan(
     n_dd = (n_owned * (1 if doc_walk else n_jb) * n_kb) if dd_owned else 0
     # With normalize, a program holding whole gradient rows chains them through the normalization itself (written
     # in the input's dtype: no fp32 buffer, no pass afterwards); the rest is projected by one launch after.
-    project_q = normalize and n_dq > 0
+    project_q = normalize and n_dq > 0 and dq_splits == 1
     project_d = normalize and n_dd > 0 and n_kb == 1
     direct_d = (not normalize and (dd_owned or D.dtype == torch.float32)) or project_d or sorted_dd
     fused_sc = not dd_owned and not sorted_dd and bool(FUSED_SCATTER)
@@ -593,12 +614,13 @@ def _backward_plan(
     unroll = FUSED_DQ_UNROLL if n_dd else DQ_UNROLL
     main = (
         n_dq + n_dd + n_dsc,
-        (*ints, n_dq),
+        (*ints, n_dq, dq_splits, ks_len, Q.numel()),
         dict(constexprs, UNROLL=unroll, DQ_GATHER=n_dq > 0, DD_OWNED=n_dd > 0, DD_SCATTER=n_dsc > 0,
              PROJECT_Q=project_q, PROJECT_D=project_d),
     )  # fmt: skip
     return _BackwardPlan(
-        grad_contiguous, dq_scatter, torch.float32 if dq_scatter else Q.dtype,
+        grad_contiguous, dq_scatter, dq_splits,
+        torch.float32 if dq_scatter or (normalize and dq_splits > 1) else Q.dtype,
         sg.pairs and not scan_q and not dq_scatter, n_queries,
         dd_owned, D.dtype if direct_d else torch.float32, sg.pairs and dd_owned and not scan_d, n_docs,
         main, dq_sc, dd_sc, direct_d, dd_sorted, project_q, project_d or (normalize and sorted_dd), cfg.num_warps, {},
@@ -628,7 +650,7 @@ def backward(
     key = (
         Q.device, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype, grad.shape, grad.stride(), views,
         normalize, deterministic, torch.get_float32_matmul_precision() if Q.dtype == torch.float32 else None,
-        _ragged_key(rg), PAIR_SCAN_MAX_WORK,
+        _ragged_key(rg), PAIR_SCAN_MAX_WORK, DQ_SPLIT_MIN_K, DQ_SPLIT_MIN_PAIRS, DQ_SPLIT_PROGRAMS_PER_SM,
         SHARED_OWNER_MAX_WORK, FUSED_SCATTER, SORTED_DD_MIN_LINKS, SORTED_DD_WARPS, dd_gather.CHUNK,
     )  # fmt: skip
     plan = _bplans.get(key)
@@ -655,6 +677,10 @@ def backward(
         _bwd_scatter(grid, (grad, argmax, dQ, D, inv_d, *segs), ints, constexprs, nw)
     else:
         dQ = torch.empty(Q.shape, dtype=plan.dq_dtype, device=Q.device)
+    # (the split walk's fp32 slices, every element written by the gather)
+    dq_out = (
+        dQ if plan.dq_splits == 1 else torch.empty((plan.dq_splits, *Q.shape), dtype=torch.float32, device=Q.device)
+    )
     if plan.dd_owned or plan.dd_sorted:
         gd = torch.empty(D.shape, dtype=plan.dd_dtype, device=D.device)
     else:  # the atomics' fp32 buffer, zeroed before the launch that adds into it (main, or its own after it)
@@ -663,10 +689,12 @@ def backward(
     d_off, d_order = csr(rg.pair_d, plan.n_docs) if plan.d_csr else (grad, grad)
     grid, ints, constexprs = plan.main
     if grid:
-        tensors = (grad, argmax, Q, D, inv_q, inv_d, dQ, grad if gd is None else gd, *segs, q_off, q_order, d_off,
+        tensors = (grad, argmax, Q, D, inv_q, inv_d, dq_out, grad if gd is None else gd, *segs, q_off, q_order, d_off,
                    d_order)  # fmt: skip
         foreign = (grad, argmax, Q, D) if rg is None and not normalize else (grad, argmax, Q, D, inv_q, inv_d, *segs)
         _bwd(grid, tensors, ints, constexprs, nw, 3, plan.launches, foreign=foreign)
+    if plan.dq_splits > 1:
+        torch.sum(dq_out, dim=0, out=dQ)  # (accumulated in fp32, rounded once into Q's dtype)
     if plan.dd_sorted:
         _sorted_dd(plan.dd_sorted, grad, Q, D, inv_q, argmax, gd)
     if gd is None:

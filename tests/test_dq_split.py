@@ -1,0 +1,103 @@
+"""The split dQ walk (few queries against many documents: each query's pairs summed in slices by several programs,
+then the slices summed in order; see ``launch.DQ_SPLIT_*``) gives the gradient of the plain walk: bitwise on
+integer data, whose sums are exact in fp32, and within tolerance of the float64 reference otherwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import INTERPRET, int_grid, randn
+
+import maxsim
+from maxsim import reference
+from maxsim.kernels import launch
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() or INTERPRET), reason="Triton kernels: a GPU or TRITON_INTERPRET=1"
+)
+
+
+def _split(monkeypatch, on: bool) -> None:
+    """Every walk of at least 4 pairs split into slices of at least 2 pairs (``on``: 11 pairs in 5 slices, the
+    last one shorter), or never split."""
+    monkeypatch.setattr(launch, "DQ_SPLIT_MIN_K", 4 if on else 1 << 40)
+    monkeypatch.setattr(launch, "DQ_SPLIT_MIN_PAIRS", 2)
+    monkeypatch.setattr(launch, "DQ_SPLIT_PROGRAMS_PER_SM", 64)
+
+
+def _grads(monkeypatch, on: bool, call, Q, D, g):
+    _split(monkeypatch, on)
+    launch._bplans.clear()
+    Qg, Dg = Q.detach().requires_grad_(), D.detach().requires_grad_()
+    dQ, dD = torch.autograd.grad(call(Qg, Dg), (Qg, Dg), g)
+    splits = [p.dq_splits for p in launch._bplans.values()]
+    launch._bplans.clear()
+    return dQ, dD, splits
+
+
+def _layouts(device, dtype, data):
+    """name -> (Q, D, call, reference call, upstream gradient): 11 documents or candidates per query."""
+    Q = data((2, 5, 16), seed=1, dtype=dtype, device=device)
+    D = data((11, 6, 16), seed=2, dtype=dtype, device=device)
+    Dc = data((2, 11, 6, 16), seed=3, dtype=dtype, device=device)
+    lens = torch.tensor([6, 0, 3, 5, 1, 6, 2, 0, 4, 6, 5])
+    cu_d = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(torch.int32).to(device)
+    cu_q = torch.tensor([0, 5, 5, 9], dtype=torch.int32, device=device)  # (an empty query)
+    Qp = data((9, 16), seed=4, dtype=dtype, device=device)
+    Dp = data((int(lens.sum()), 16), seed=5, dtype=dtype, device=device)
+
+    def varlen(f):
+        return lambda q, d, **kw: f(q, d, cu_q, cu_d, **kw)
+
+    return {
+        "cross": (Q, D, maxsim.maxsim, reference.maxsim, (2, 11)),
+        "candidates": (Q, Dc, maxsim.maxsim, reference.maxsim, (2, 11)),
+        "varlen": (Qp, Dp, varlen(maxsim.maxsim_varlen), varlen(reference.maxsim_varlen), (3, 11)),
+    }
+
+
+@pytest.mark.parametrize("mode", ["fast", "deterministic"])
+@pytest.mark.parametrize("layout", ["cross", "candidates", "varlen"])
+def test_split_walk_equals_plain_walk_on_exact_data(layout, mode, device, monkeypatch):
+    if INTERPRET:
+        maxsim.set_backend("triton")
+    dtype = torch.float32 if INTERPRET else torch.bfloat16  # (the interpreter: fp32 is quicker, as exact on ints)
+    Q, D, call, _, gshape = _layouts(device, dtype, int_grid)[layout]
+    g = int_grid(gshape, seed=9, dtype=torch.float32, device=device)
+    g[0, 3] = float("nan")  # a NaN upstream gradient reaches the tokens its pair's argmax chose, in either walk
+
+    def f(q, d):
+        return call(q, d, backward=mode)
+
+    dQ, dD, plain = _grads(monkeypatch, False, f, Q, D, g)
+    dQ_s, dD_s, split = _grads(monkeypatch, True, f, Q, D, g)
+    assert plain == [1] and split and split[0] > 1
+    torch.testing.assert_close(dQ_s, dQ, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(dD_s, dD, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(dQ_s[:5] if layout == "varlen" else dQ_s[0]).any()
+
+
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalized"])
+@pytest.mark.parametrize("layout", ["cross", "candidates", "varlen"])
+def test_split_walk_matches_reference(layout, normalize, device, monkeypatch):
+    if INTERPRET:
+        maxsim.set_backend("triton")
+    Q, D, call, ref, gshape = _layouts(device, torch.float32, randn)[layout]
+    g = randn(gshape, seed=9, device=device)
+    dQ, dD, split = _grads(monkeypatch, True, lambda q, d: call(q, d, normalize=normalize), Q, D, g)
+    assert split and split[0] > 1
+    Qr, Dr = Q.double().requires_grad_(), D.double().requires_grad_()
+    rdQ, rdD = torch.autograd.grad(ref(Qr, Dr, normalize=normalize), (Qr, Dr), g.double())
+    torch.testing.assert_close(dQ.double(), rdQ, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(dD.double(), rdD, rtol=1e-4, atol=1e-4)
+
+
+def test_split_count_follows_programs_and_pairs(monkeypatch):
+    """Splits only long walks of few programs, into slices of at least DQ_SPLIT_MIN_PAIRS pairs, enough for
+    DQ_SPLIT_PROGRAMS_PER_SM programs a multiprocessor."""
+    monkeypatch.setattr(launch, "_sm_count", lambda device: 132)
+    dev = torch.device("cpu")
+    assert launch._dq_splits(4, launch.DQ_SPLIT_MIN_K - 1, dev) == 1
+    assert launch._dq_splits(4, 1000, dev) == 1000 // launch.DQ_SPLIT_MIN_PAIRS  # (1 query, Lq 64: 4 programs)
+    assert launch._dq_splits(64, 1000, dev) == 5  # 64 programs: 5 slices fill 2 a multiprocessor
+    assert launch._dq_splits(512, 1000, dev) == 1  # the GPU already full
