@@ -1,4 +1,5 @@
-"""Interleaved A/B of this checkout's maxsim against an older commit's, in one process, on the bench's workloads.
+"""Interleaved A/B of this checkout's maxsim against an older commit's, in one process, on the bench's workloads
+(and tools/offmatrix.py's).
 
 Host-bound rows (small training steps, tiny inference) move by 2x between calls on the lent machines, so two runs of
 ``maxsim bench`` cannot tell a 10 % change from noise. Here both versions run in the same process, alternating (7
@@ -59,7 +60,8 @@ def compare(
     import maxsim
     from maxsim.bench.peers import MaxsimImpl
     from maxsim.bench.runner import make_call, make_host_timer
-    from maxsim.bench.workloads import RAGGED_LAYOUTS, make_inputs, seed_of, select
+    from maxsim.bench.workloads import RAGGED_LAYOUTS, WORKLOADS, make_inputs, seed_of, select
+    from offmatrix import OFF_MATRIX  # (tools/ is on sys.path when this runs as a script)
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     if plain:  # "old" is this version without normalize: what normalize=True costs
@@ -68,7 +70,7 @@ def compare(
         import maxsim_old
 
         impls = {"new": MaxsimImpl(*_scorers(maxsim, normalize)), "old": MaxsimImpl(*_scorers(maxsim_old, normalize))}
-    for w in select(mode=mode, only=patterns):
+    for w in select(mode=mode, only=patterns, table=WORKLOADS + OFF_MATRIX):
         inp = make_inputs(w, dev, dt, seed_of(w))
         calls = {}
         for name, impl in impls.items():

@@ -36,7 +36,7 @@ def _w(mode: str, layout: str, nq: int, nd: int, lq: int, ld: int, dim: int, **k
 
 #: Fixed, so that runs on different days compare. Sizes mix the issue's off-matrix values (dim 48/96, Lq 23,
 #: Ld 333, K 7, Nq 7) with others the matrix does not hold (dim 64 with short documents, Lq 64/100/256,
-#: Ld 64/512/700/2048, Nq 3/16/48/200, K 20/64).
+#: Ld 64/512/700/2048, Nq 1/3/4/16/48/200, K 20/64/256).
 OFF_MATRIX: tuple[Workload, ...] = (
     _w("infer", "cross", 7, 1000, 23, 333, 48),
     _w("infer", "cross", 1, 1000, 23, 333, 96),
@@ -51,6 +51,7 @@ OFF_MATRIX: tuple[Workload, ...] = (
     _w("infer", "candidates", 64, 20, 64, 300, 128),
     _w("infer", "candidates", 16, 100, 23, 333, 48),
     _w("infer", "candidates", 128, 7, 32, 1024, 64),
+    _w("infer", "candidates", 32, 100, 48, 256, 128),
     _w("infer", "pairs", 1000, 1000, 23, 333, 96),
     _w("infer", "pairs", 64, 64, 32, 2048, 128),
     _w("infer", "varlen", 7, 1000, 23, 333, 96, lq_min=5, ld_min=20),
@@ -60,9 +61,12 @@ OFF_MATRIX: tuple[Workload, ...] = (
     _w("train", "cross", 100, 100, 32, 180, 96),
     _w("train", "cross", 128, 128, 23, 333, 128),
     _w("train", "cross", 32, 32, 23, 64, 64),
+    _w("train", "cross", 7, 1000, 23, 333, 96),
+    _w("train", "cross", 1, 1000, 64, 300, 128),
     _w("train", "candidates", 32, 7, 23, 333, 96),
     _w("train", "candidates", 128, 8, 64, 256, 128),
     _w("train", "candidates", 16, 64, 32, 180, 64),
+    _w("train", "candidates", 4, 256, 64, 180, 128),
     _w("train", "pairs", 256, 256, 23, 333, 48),
     _w("train", "pairs", 1000, 1000, 32, 180, 128),
     _w("train", "varlen", 48, 96, 23, 333, 96, lq_min=5, ld_min=20),

@@ -111,8 +111,11 @@ def streaming_config(cfg: ForwardConfig) -> ForwardConfig:
     """``cfg`` for the forward's register-prefetched tile loop (``STREAM_D``; launch.py decides): one program per
     document, 64-token tiles at 128 dims and 32-token ones at 64 (H100, in-process, 1x1000 Lq32 Ld300: 64-token
     tiles 36.8 us, 32-token 47.1, persistent 36.5; candidates 32x100 Ld256 83.9 against 87.0 for the table's
-    persistent 32-token walk; 1x1000 Ld1024 dim 48: 32-token tiles 44.7, 64 48.2, 128 46.9)."""
-    return replace(cfg, BLOCK_N=64 if cfg.BLOCK_K >= 128 else 32, num_warps=4, persist=0)
+    persistent 32-token walk; 1x1000 Ld1024 dim 48: 32-token tiles 44.7, 64 48.2, 128 46.9). Queries of 64 rows take
+    32-token tiles at any width (H100, candidates 64x20 Lq64 Ld300: 16-token tiles 51.8 us, 32 45.4, 64 48.2; 16x100
+    Lq64 Ld512 dim 64: 56.1, 45.1, 48.3)."""
+    wide = cfg.BLOCK_K >= 128 and cfg.BQ * cfg.TQ <= 32
+    return replace(cfg, BLOCK_N=64 if wide else 32, num_warps=4, persist=0)
 
 
 CANDIDATE_OWNER_BLOCK_K = 64  # dims per dD owner program of a candidate document (see backward_config)

@@ -102,7 +102,13 @@ ONE_DOC_GAIN = 1.3
 # With a document mask (v39: the mask of a tile is loaded a tile ahead of its tokens, whose loads it predicates):
 # 1x1000 Ld300 40.2 -> 38.2 us, candidates 32x50 40.5 -> 37.8, 32x100 86.0 -> 79.8 (prefix masks), but dim 48 in
 # 32-token tiles 48.9 -> 60.2 (a tile's work too short to hide the mask's latency): masked scans stream from
-# STREAM_MASKED_MIN_BLOCK_K dims up.
+# STREAM_MASKED_MIN_BLOCK_K dims up. A query's own documents stream for queries of up to STREAM_UNSHARED_MAX_ROWS
+# rows (33-64 tokens: 32-token tiles, configs.streaming_config), shared documents for blocks of 32 rows only. H100,
+# in-process (`.devdata` sweep, docs/performance.md v49): candidates 64x20 Lq64 Ld300 53.2 -> 45.4 us, 32x100 Lq48
+# Ld256 95.9 -> 82.2, 16x100 Lq64 Ld512 dim 64 60.5 -> 45.1, but pairs 1000 Lq64 Ld333 dim 96 42.0 -> 43.6; one
+# query of 64 rows against shared documents gains less and not everywhere (1x1000 Ld300 41.2 -> 40.7, 1x5000 Ld180
+# 93.0 -> 91.6, 2 queries of 32 packed 41.7 -> 40.7, out of the byte range 1x2000 Lq48 Ld1024 179 -> 189).
+STREAM_UNSHARED_MAX_ROWS = 64
 STREAM_ONCE_READ = 1
 STREAM_L2_RANGE = (0.5, 7.0)
 STREAM_MASKED_MIN_BLOCK_K = 128
@@ -315,7 +321,7 @@ def forward_keeping_norms(
             None if q_mask is None else q_mask.stride(), None if d_mask is None else d_mask.stride(), normalize,
             need_argmax, torch.get_float32_matmul_precision() if Q.dtype == torch.float32 else None, _ragged_key(rg),
             PRENORM_MIN_ROW_BLOCKS, PRENORM_MIN_QUERY_BLOCKS, PRENORM_UNSHARED, STREAM_ONCE_READ, STREAM_L2_RANGE,
-            STREAM_MASKED_MIN_BLOCK_K,
+            STREAM_MASKED_MIN_BLOCK_K, STREAM_UNSHARED_MAX_ROWS,
         )  # fmt: skip
         plan = _plans.get(key)
         if plan is not None:
@@ -406,7 +412,9 @@ def _streams(
     nbytes = D.numel() * D.element_size()
     if masked and cfg.BLOCK_K < STREAM_MASKED_MIN_BLOCK_K:
         return False
-    return cfg.NUM_K == 1 and cfg.BQ * cfg.TQ <= 32 and lo <= nbytes / _l2_bytes(D.device) <= hi
+    rows = cfg.BQ * cfg.TQ
+    thin = rows <= 32 or (not shared and rows <= STREAM_UNSHARED_MAX_ROWS)
+    return cfg.NUM_K == 1 and thin and lo <= nbytes / _l2_bytes(D.device) <= hi
 
 
 def _run_forward(
