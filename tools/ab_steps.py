@@ -55,13 +55,13 @@ def compare(
     profile: bool = False,
 ) -> None:  # fmt: skip
     import torch
+    from offmatrix import OFF_MATRIX  # (tools/ is on sys.path when this runs as a script)
     from triton.testing import do_bench
 
     import maxsim
     from maxsim.bench.peers import MaxsimImpl
     from maxsim.bench.runner import make_call, make_host_timer
     from maxsim.bench.workloads import RAGGED_LAYOUTS, WORKLOADS, make_inputs, seed_of, select
-    from offmatrix import OFF_MATRIX  # (tools/ is on sys.path when this runs as a script)
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     if plain:  # "old" is this version without normalize: what normalize=True costs

@@ -1,9 +1,9 @@
 """Interleaved A/B of launch settings (module constants of ``maxsim.kernels.launch``) in one process.
 
-Each variant is a set of ``NAME=VALUE`` assignments; the bench's workloads (and tools/offmatrix.py's) run under every variant in turn (plans
-cleared at each switch), 7 rounds by default, ``triton.testing.do_bench`` with its L2 flush, and a per-kernel GPU
-profile of each variant follows. Host-bound rows move by 2x between calls on the lent machines: only variants timed
-side by side in one process are compared.
+Each variant is a set of ``NAME=VALUE`` assignments; the bench's workloads (and tools/offmatrix.py's) run under
+every variant in turn (plans cleared at each switch), 7 rounds by default, ``triton.testing.do_bench`` with its L2
+flush, and a per-kernel GPU profile of each variant follows. Host-bound rows move by 2x between calls on the lent
+machines: only variants timed side by side in one process are compared.
 
 Usage (on the GPU):
   python tools/knobs.py train 'cross-64x64-lq23-ld333-d96' --variant base: \\
