@@ -101,3 +101,16 @@ def test_split_count_follows_programs_and_pairs(monkeypatch):
     assert launch._dq_splits(4, 1000, dev) == 1000 // launch.DQ_SPLIT_MIN_PAIRS  # (1 query, Lq 64: 4 programs)
     assert launch._dq_splits(64, 1000, dev) == 5  # 64 programs: 5 slices fill 2 a multiprocessor
     assert launch._dq_splits(512, 1000, dev) == 1  # the GPU already full
+
+
+def test_few_query_cross_products_own_their_documents():
+    """The fast backward of a cross product owns dD for at most SHARED_OWNER_MAX_ROWS query rows, however large D is
+    (the atomics would zero and cast an fp32 buffer of D's size), and by total work otherwise."""
+    from maxsim.kernels.configs import backward_config
+
+    cfg = backward_config(64, 128)
+    assert launch._shared_owned(1, 64, 1000, 300, 128, cfg)  # 64 rows against 1000 long documents
+    assert launch._shared_owned(16, 64, 10**6, 300, 128, cfg)  # 1024 rows
+    assert not launch._shared_owned(17, 64, 1000, 300, 128, cfg)
+    assert launch._shared_owned(64, 32, 64, 128, 128, backward_config(32, 128))  # small work (2^31)
+    assert not launch._shared_owned(64, 32, 64, 1024, 128, backward_config(32, 128))

@@ -123,6 +123,7 @@ def test_backward_programs_project_the_rows_they_hold(case, fused_q, fused_d, mo
         D = torch.randn(4, 3, 40, dim)
     if case == "cross, atomics":
         monkeypatch.setattr(launch, "SHARED_OWNER_MAX_WORK", 0)
+        monkeypatch.setattr(launch, "SHARED_OWNER_MAX_ROWS", 0)
     if case == "long pair list":
         monkeypatch.setattr(launch, "PAIR_SCAN_MAX_WORK", 0)
         cu_q, cu_d = torch.tensor([0, 3, 8]), torch.tensor([0, 5, 40, 47])

@@ -437,6 +437,8 @@ def test_varlen_cases(case, keep, dd, backend, device, monkeypatch):
         from maxsim.kernels import launch
 
         monkeypatch.setattr(launch, "SHARED_OWNER_MAX_WORK", 0)  # (a plan key: no stale plan is reused)
+
+        monkeypatch.setattr(launch, "SHARED_OWNER_MAX_ROWS", 0)
     check_ragged(case, device)
 
 

@@ -263,6 +263,8 @@ def test_backward_modes_agree_and_deterministic_is_bitwise(layout, dtype, backen
         from maxsim.kernels import launch
 
         monkeypatch.setattr(launch, "SHARED_OWNER_MAX_WORK", 0)  # the atomics path of large cross products
+
+        monkeypatch.setattr(launch, "SHARED_OWNER_MAX_ROWS", 0)
         for fused in (1, 0):  # the atomics in the gather's launch, then in a launch of their own
             monkeypatch.setattr(launch, "FUSED_SCATTER", fused)
             launch._bplans.clear()
@@ -287,6 +289,8 @@ def test_sorted_gather_backward_of_large_cross_products(normalize, dtype, device
     from maxsim.kernels import launch
 
     monkeypatch.setattr(launch, "SHARED_OWNER_MAX_WORK", 0)
+
+    monkeypatch.setattr(launch, "SHARED_OWNER_MAX_ROWS", 0)
     monkeypatch.setattr(launch, "SORTED_DD_MIN_LINKS", 0)
     inp = make_inputs("cross", 5, 4, 9, 7, 32, dtype=dtype, device=device, masks="holes", seed=seed_of("sorted"))
     grad = upstream_grad(call_lib(inp).shape, seed=6, device=device)

@@ -188,10 +188,11 @@ def main() -> None:
                         g = torch.ones(Q.shape[0], D.shape[1])
                         for det in (False, True):
                             for owner_limit in (launch.SHARED_OWNER_MAX_WORK, 0):  # owned dD, then atomics
-                                launch.SHARED_OWNER_MAX_WORK, before = owner_limit, launch.SHARED_OWNER_MAX_WORK
+                                before = launch.SHARED_OWNER_MAX_WORK, launch.SHARED_OWNER_MAX_ROWS
+                                launch.SHARED_OWNER_MAX_WORK = launch.SHARED_OWNER_MAX_ROWS = owner_limit
                                 launch._bplans.clear()
                                 launch.backward(g, Q, D, a, normalize, det)
-                                launch.SHARED_OWNER_MAX_WORK = before
+                                launch.SHARED_OWNER_MAX_WORK, launch.SHARED_OWNER_MAX_ROWS = before
                                 launch._bplans.clear()
                 # ragged: varlen cross, pair list, padded with lengths
                 cu_q, cu_d = offsets([3, lq, 1, 0]), offsets([5, 40, 0, 7, 9])

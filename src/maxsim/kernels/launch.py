@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ..layout import Ragged, Views, dims, view_as_canonical
 from . import csr as csr_kernel
-from . import dd_gather
+from . import dd_gather, slices
 from . import normalize as normalize_kernels
 from .backward import maxsim_bwd_kernel, maxsim_bwd_scatter_kernel
 from .configs import BackwardConfig, ForwardConfig, backward_config, forward_config, streaming_config
@@ -28,6 +28,7 @@ _bwd_scatter = Launcher(maxsim_bwd_scatter_kernel)
 _csr = Launcher(csr_kernel.csr_count_kernel)
 _link_keys = Launcher(dd_gather.link_keys_kernel)
 _dd_gather = Launcher(dd_gather.dd_gather_kernel)
+_sum_slices = Launcher(slices.sum_slices_kernel)
 
 DENSE, OFFSETS, LENGTHS = 0, 1, 2  # segment kinds, as in kernels/segments.py
 # A pair list's backward scans the pair ids in each program (no index built) while programs x pairs stays under
@@ -39,6 +40,10 @@ PAIR_SCAN_MAX_WORK = 1 << 24
 # (backward="fast"). H100, GPU time of the backward, owned vs atomics: 32x32 Lq32 Ld80 (2^29) 19 vs 23 us, 64x64
 # Lq32 Ld128 (2^31) 59 vs 53 us, 64x64 Lq23 Ld333 dim 96 (1.5 * 2^32) 114 vs 45 us, 256x256 Ld300 1.3 vs 0.53 ms.
 SHARED_OWNER_MAX_WORK = 1 << 31
+# So is it for at most this many query rows (queries x padded Lq) at any size: an owner program's walk is over the
+# queries, while the atomics zero and cast an fp32 buffer the size of D (few queries against many long documents:
+# 1x1000 Lq64 Ld300 training, H100, zero-fill 77 us and cast 46 us of a 224 us step; docs/performance.md v49).
+SHARED_OWNER_MAX_ROWS = 1024
 # backward="deterministic" of a dense cross product of at least this many links (query tokens x documents) beyond
 # the owner's size: dD by grouping the links by the document token they chose (a stable sort) and summing each
 # token's links in one program (dd_gather.py) instead of the owner, whose programs each walk every query. H100,
@@ -500,6 +505,7 @@ class _BackwardPlan(NamedTuple):
     project_d: bool  # normalize: the owner or the sorted gather chains dD through D's normalization (else a launch)
     num_warps: int
     launches: dict  # the launcher's plan cache of the main launch (see Launcher)
+    sum_launches: dict  # the same, of the split walk's slice sum
 
 
 _bplans: dict[tuple, _BackwardPlan] = {}
@@ -511,7 +517,11 @@ def _shared_owned(Nq: int, Lq: int, K: int, Ld: int, dim: int, cfg: BackwardConf
     def padded(n: int, block: int) -> int:
         return cdiv(n, block) * block
 
-    return Nq * K * padded(Lq, cfg.TQ) * padded(Ld, cfg.BN) * padded(dim, cfg.BLOCK_K) <= SHARED_OWNER_MAX_WORK
+    rows = Nq * padded(Lq, cfg.TQ)
+    return (
+        rows <= SHARED_OWNER_MAX_ROWS
+        or rows * K * padded(Ld, cfg.BN) * padded(dim, cfg.BLOCK_K) <= SHARED_OWNER_MAX_WORK
+    )
 
 
 def _dq_splits(n_programs: int, K: int, device: torch.device) -> int:
@@ -632,6 +642,7 @@ def _backward_plan(
         sg.pairs and not scan_q and not dq_scatter, n_queries,
         dd_owned, D.dtype if direct_d else torch.float32, sg.pairs and dd_owned and not scan_d, n_docs,
         main, dq_sc, dd_sc, direct_d, dd_sorted, project_q, project_d or (normalize and sorted_dd), cfg.num_warps, {},
+        {},
     )  # fmt: skip
 
 
@@ -659,7 +670,8 @@ def backward(
         Q.device, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype, grad.shape, grad.stride(), views,
         normalize, deterministic, torch.get_float32_matmul_precision() if Q.dtype == torch.float32 else None,
         _ragged_key(rg), PAIR_SCAN_MAX_WORK, DQ_SPLIT_MIN_K, DQ_SPLIT_MIN_PAIRS, DQ_SPLIT_PROGRAMS_PER_SM,
-        SHARED_OWNER_MAX_WORK, FUSED_SCATTER, SORTED_DD_MIN_LINKS, SORTED_DD_WARPS, dd_gather.CHUNK,
+        SHARED_OWNER_MAX_WORK, SHARED_OWNER_MAX_ROWS, FUSED_SCATTER, SORTED_DD_MIN_LINKS, SORTED_DD_WARPS,
+        dd_gather.CHUNK,
     )  # fmt: skip
     plan = _bplans.get(key)
     if plan is None:
@@ -701,8 +713,10 @@ def backward(
                    d_order)  # fmt: skip
         foreign = (grad, argmax, Q, D) if rg is None and not normalize else (grad, argmax, Q, D, inv_q, inv_d, *segs)
         _bwd(grid, tensors, ints, constexprs, nw, 3, plan.launches, foreign=foreign)
-    if plan.dq_splits > 1:
-        torch.sum(dq_out, dim=0, out=dQ)  # (accumulated in fp32, rounded once into Q's dtype)
+    if plan.dq_splits > 1:  # (in slice order, in fp32, rounded once into dQ's dtype)
+        n = dQ.numel()
+        _sum_slices(cdiv(n, slices.BLOCK), (dq_out, dQ), (n, plan.dq_splits), dict(BLOCK=slices.BLOCK), 4, 3,
+                    plan.sum_launches, foreign=())  # fmt: skip
     if plan.dd_sorted:
         _sorted_dd(plan.dd_sorted, grad, Q, D, inv_q, argmax, gd)
     if gd is None:
