@@ -110,7 +110,7 @@ def test_few_query_cross_products_own_their_documents():
 
     cfg = backward_config(64, 128)
     assert launch._shared_owned(1, 64, 1000, 300, 128, cfg)  # 64 rows against 1000 long documents
-    assert launch._shared_owned(16, 64, 10**6, 300, 128, cfg)  # 1024 rows
-    assert not launch._shared_owned(17, 64, 1000, 300, 128, cfg)
+    assert launch._shared_owned(2, 64, 10**6, 300, 128, cfg)  # 128 rows
+    assert not launch._shared_owned(3, 64, 1000, 300, 128, cfg)
     assert launch._shared_owned(64, 32, 64, 128, 128, backward_config(32, 128))  # small work (2^31)
     assert not launch._shared_owned(64, 32, 64, 1024, 128, backward_config(32, 128))

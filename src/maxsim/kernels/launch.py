@@ -40,10 +40,11 @@ PAIR_SCAN_MAX_WORK = 1 << 24
 # (backward="fast"). H100, GPU time of the backward, owned vs atomics: 32x32 Lq32 Ld80 (2^29) 19 vs 23 us, 64x64
 # Lq32 Ld128 (2^31) 59 vs 53 us, 64x64 Lq23 Ld333 dim 96 (1.5 * 2^32) 114 vs 45 us, 256x256 Ld300 1.3 vs 0.53 ms.
 SHARED_OWNER_MAX_WORK = 1 << 31
-# So is it for at most this many query rows (queries x padded Lq) at any size: an owner program's walk is over the
-# queries, while the atomics zero and cast an fp32 buffer the size of D (few queries against many long documents:
-# 1x1000 Lq64 Ld300 training, H100, zero-fill 77 us and cast 46 us of a 224 us step; docs/performance.md v49).
-SHARED_OWNER_MAX_ROWS = 1024
+# So is it for at most this many query rows (queries x padded Lq) at any size: an owner program walks the queries,
+# while the atomics zero and cast an fp32 buffer of D's size. H100, backward GPU time (gather, owner or atomics,
+# zero-fill, cast, slice sum), owner vs atomics: 1x1000 Lq64 Ld300 (64 rows) 94 vs 187 us; 7x1000 Lq23 Ld333 dim
+# 96 (224 rows) 235 vs 196 us (docs/performance.md v49).
+SHARED_OWNER_MAX_ROWS = 128
 # backward="deterministic" of a dense cross product of at least this many links (query tokens x documents) beyond
 # the owner's size: dD by grouping the links by the document token they chose (a stable sort) and summing each
 # token's links in one program (dd_gather.py) instead of the owner, whose programs each walk every query. H100,
