@@ -188,12 +188,16 @@ def main() -> None:
                         g = torch.ones(Q.shape[0], D.shape[1])
                         for det in (False, True):
                             for owner_limit in (launch.SHARED_OWNER_MAX_WORK, 0):  # owned dD, then atomics
-                                before = launch.SHARED_OWNER_MAX_WORK, launch.SHARED_OWNER_MAX_ROWS
-                                launch.SHARED_OWNER_MAX_WORK = launch.SHARED_OWNER_MAX_ROWS = owner_limit
-                                launch._bplans.clear()
-                                launch.backward(g, Q, D, a, normalize, det)
-                                launch.SHARED_OWNER_MAX_WORK, launch.SHARED_OWNER_MAX_ROWS = before
-                                launch._bplans.clear()
+                                for split_k in (launch.DQ_SPLIT_MIN_K, 2):  # the plain dQ walk, then split
+                                    before = launch.SHARED_OWNER_MAX_WORK, launch.SHARED_OWNER_MAX_ROWS
+                                    launch.SHARED_OWNER_MAX_WORK = launch.SHARED_OWNER_MAX_ROWS = owner_limit
+                                    before_split = launch.DQ_SPLIT_MIN_K, launch.DQ_SPLIT_MIN_PAIRS
+                                    launch.DQ_SPLIT_MIN_K, launch.DQ_SPLIT_MIN_PAIRS = split_k, 1
+                                    launch._bplans.clear()
+                                    launch.backward(g, Q, D, a, normalize, det)
+                                    launch.SHARED_OWNER_MAX_WORK, launch.SHARED_OWNER_MAX_ROWS = before
+                                    launch.DQ_SPLIT_MIN_K, launch.DQ_SPLIT_MIN_PAIRS = before_split
+                                    launch._bplans.clear()
                 # ragged: varlen cross, pair list, padded with lengths
                 cu_q, cu_d = offsets([3, lq, 1, 0]), offsets([5, 40, 0, 7, 9])
                 Qp, Dp = torch.randn(int(cu_q[-1]), dim, dtype=dt), torch.randn(int(cu_d[-1]), dim, dtype=dt)

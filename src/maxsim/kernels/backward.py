@@ -94,21 +94,25 @@ def _dq_program(
     n_tb, n_ks, ks_len, sdq_s,
     BT: tl.constexpr, DIM_P: tl.constexpr, UNROLL: tl.constexpr,
     Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr, SHARED_DOCS: tl.constexpr,
-    NORMALIZE: tl.constexpr, PAIR_SCAN: tl.constexpr, PROJECT: tl.constexpr,
+    NORMALIZE: tl.constexpr, PAIR_SCAN: tl.constexpr, PROJECT: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     """dQ of one (query, token block): a gather over the query's pairs (``K`` of them: its documents, or a pair
     list's ``P`` entries), summed in pair order (``PROJECT``: chained through the normalization of Q's rows).
 
-    Split walk (``n_ks`` > 1; documents and candidates only, never a pair list): program ``pid`` sums pairs
+    ``SPLIT`` (documents and candidates only, never a pair list): program ``pid`` sums pairs
     ``[s * ks_len, (s + 1) * ks_len)`` of its query, ``s = pid % n_ks``, into slice ``s`` of an fp32 ``DQ`` of
-    ``n_ks`` slices ``sdq_s`` elements apart (summed in order afterwards); ``n_ks`` = 1 is the plain walk."""
-    split = pid % n_ks
-    pid = pid // n_ks
+    ``n_ks`` slices ``sdq_s`` elements apart (summed in order afterwards). A constexpr, not ``n_ks == 1``: the
+    plain walk's variants keep their registers (the runtime split cost the normalized gather 40 more)."""
+    split = 0
+    if SPLIT:
+        split = pid % n_ks
+        pid = pid // n_ks
+        DQ = DQ + split.to(tl.int64) * sdq_s
     q = (pid // n_tb).to(tl.int64)
     t = (pid % n_tb) * BT + tl.arange(0, BT)
     # DQ has Q's layout: its row pointer comes from the same segment description (with DQ's strides).
     dq_base, _dq_tok0, q_len, _q_bad = query_segment(
-        DQ + split.to(tl.int64) * sdq_s, QSEG, q, q >= 0, Lq, n_qseq, n_qrows, sdq_n, sdq_l, sqs, Q_KIND
+        DQ, QSEG, q, q >= 0, Lq, n_qseq, n_qrows, sdq_n, sdq_l, sqs, Q_KIND
     )
     t_ok = t < q_len
     kd = tl.arange(0, DIM_P)
@@ -135,9 +139,12 @@ def _dq_program(
             if PAIR_LIST:
                 e_lo = tl.load(QOFF + q).to(tl.int64)
                 e_hi = tl.load(QOFF + q + 1).to(tl.int64)
-            else:
+            elif SPLIT:
                 e_lo = q * 0 + split * ks_len
                 e_hi = tl.minimum(e_lo + ks_len, K)
+            else:
+                e_lo = q * 0
+                e_hi = q * 0 + K
             # UNROLL pairs per step: their loads do not depend on each other, so they are in flight together (one
             # pair at a time, the walk waits for two dependent memory round trips per pair). Same order of the sum.
             for e0 in range(e_lo, e_hi, UNROLL):
@@ -516,6 +523,7 @@ def maxsim_bwd_kernel(
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     DQ_GATHER: tl.constexpr, DD_OWNED: tl.constexpr, SCAN_Q: tl.constexpr, SCAN_D: tl.constexpr,
     DOC_WALK: tl.constexpr, DD_SCATTER: tl.constexpr, PROJECT_Q: tl.constexpr, PROJECT_D: tl.constexpr,
+    DQ_SPLIT: tl.constexpr,
 ):  # fmt: skip
     """The gather-and-own backward in one launch: programs ``[0, n_dq)`` compute dQ by the gather (``DQ_GATHER``),
     the rest own blocks of dD (``DD_OWNED``); either side may be absent (a long pair list's dQ and the fast cross
@@ -535,7 +543,7 @@ def maxsim_bwd_kernel(
                 pid, G, ARG, Q, D, INV_D, DQ, QSEG, DSEG, PQ, PD, QOFF, QPERM,
                 K, Lq, Ld, dim, n_qseq, n_qrows, n_dseq, n_drows, sq_n, sq_l, sd_b, sd_k, sd_l, sdq_n, sdq_l,
                 sqs, sds_b, sds_k, sg, n_tb, n_ks, ks_len, sdq_s, BT, DIM_P, UNROLL, Q_KIND, D_KIND, PAIR_LIST,
-                SHARED_DOCS, NORMALIZE, SCAN_Q, PROJECT_Q,
+                SHARED_DOCS, NORMALIZE, SCAN_Q, PROJECT_Q, DQ_SPLIT,
             )  # fmt: skip
     else:
         if DD_OWNED:

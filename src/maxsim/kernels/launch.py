@@ -635,7 +635,7 @@ def _backward_plan(
         n_dq + n_dd + n_dsc,
         (*ints, n_dq, dq_splits, ks_len, Q.numel()),
         dict(constexprs, UNROLL=unroll, DQ_GATHER=n_dq > 0, DD_OWNED=n_dd > 0, DD_SCATTER=n_dsc > 0,
-             PROJECT_Q=project_q, PROJECT_D=project_d),
+             PROJECT_Q=project_q, PROJECT_D=project_d, DQ_SPLIT=dq_splits > 1),
     )  # fmt: skip
     return _BackwardPlan(
         grad_contiguous, dq_scatter, dq_splits,
