@@ -111,6 +111,26 @@ def test_workload_names_and_shapes():
         Workload("train", "pairs", 4, 5, 1, 1)
 
 
+def test_off_matrix_sweep_is_off_the_matrix():
+    """tools/offmatrix.py's shapes: unique keys, none of them a matrix row, and the issue's off-matrix sizes (dim
+    48 and 96, Lq 23, Ld 333, K 7, Nq 7) each in both modes."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from offmatrix import OFF_MATRIX
+
+    keys = [w.key for w in OFF_MATRIX]
+    assert len(set(keys)) == len(keys)
+    assert not set(keys) & {w.key for w in workloads.WORKLOADS}
+    for mode in ("infer", "train"):
+        rows = [w for w in OFF_MATRIX if w.mode == mode]
+        assert {48, 96} <= {w.dim for w in rows}
+        assert any(w.lq == 23 for w in rows) and any(w.ld == 333 for w in rows)
+        assert any(w.layout == "candidates" and w.nd == 7 for w in rows) and any(w.nq == 7 for w in rows)
+        assert {w.layout for w in rows} == set(workloads.LAYOUTS)
+
+
 def test_counts_per_layout():
     c = Workload("infer", "cross", 3, 5, 7, 11, dim=8)
     assert (c.n_pairs(), c.q_tokens(), c.d_tokens(), c.pair_rows(), c.sims()) == (15, 21, 55, 105, 1155)
