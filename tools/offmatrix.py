@@ -29,49 +29,43 @@ from maxsim.bench.workloads import Workload, select
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from targets import table  # noqa: E402
 
+#: Ragged rows draw their lengths from 5 (queries) and 20 (documents) up to Lq / Ld.
+_SKEWED = {"lq_min": 5, "ld_min": 20}
 
-def _w(mode: str, layout: str, nq: int, nd: int, lq: int, ld: int, dim: int, **kw) -> Workload:
-    return Workload(mode=mode, layout=layout, nq=nq, nd=nd, lq=lq, ld=ld, dim=dim, note="off-matrix sweep", **kw)
+
+def _w(mode: str, layout: str, nq: int, nd: int, lq: int, ld: int, dim: int, pool: int = 0) -> Workload:
+    ragged = dict(_SKEWED, pool=pool) if layout in ("varlen", "pairlist") else {}
+    return Workload(mode=mode, layout=layout, nq=nq, nd=nd, lq=lq, ld=ld, dim=dim, note="off-matrix sweep", **ragged)
 
 
-#: Fixed, so that runs on different days compare. Sizes mix the issue's off-matrix values (dim 48/96, Lq 23,
-#: Ld 333, K 7, Nq 7) with others the matrix does not hold (dim 64 with short documents, Lq 64/100/256,
-#: Ld 64/512/700/2048, Nq 1/3/4/16/48/200, K 20/64/256).
-OFF_MATRIX: tuple[Workload, ...] = (
-    _w("infer", "cross", 7, 1000, 23, 333, 48),
-    _w("infer", "cross", 1, 1000, 23, 333, 96),
-    _w("infer", "cross", 1, 5000, 64, 180, 128),
-    _w("infer", "cross", 16, 2000, 32, 512, 64),
-    _w("infer", "cross", 48, 48, 23, 333, 96),
-    _w("infer", "cross", 200, 200, 32, 128, 128),
-    _w("infer", "cross", 1, 300, 256, 700, 128),
-    _w("infer", "cross", 3, 777, 100, 333, 96),
-    _w("infer", "cross", 64, 64, 23, 64, 64),
-    _w("infer", "candidates", 7, 7, 23, 333, 96),
-    _w("infer", "candidates", 64, 20, 64, 300, 128),
-    _w("infer", "candidates", 16, 100, 23, 333, 48),
-    _w("infer", "candidates", 128, 7, 32, 1024, 64),
-    _w("infer", "candidates", 32, 100, 48, 256, 128),
-    _w("infer", "pairs", 1000, 1000, 23, 333, 96),
-    _w("infer", "pairs", 64, 64, 32, 2048, 128),
-    _w("infer", "varlen", 7, 1000, 23, 333, 96, lq_min=5, ld_min=20),
-    _w("infer", "pairlist", 48, 20, 23, 333, 48, lq_min=5, ld_min=20, pool=512),
-    _w("train", "cross", 48, 48, 23, 333, 48),
-    _w("train", "cross", 16, 16, 64, 512, 128),
-    _w("train", "cross", 100, 100, 32, 180, 96),
-    _w("train", "cross", 128, 128, 23, 333, 128),
-    _w("train", "cross", 32, 32, 23, 64, 64),
-    _w("train", "cross", 7, 1000, 23, 333, 96),
-    _w("train", "cross", 1, 1000, 64, 300, 128),
-    _w("train", "candidates", 32, 7, 23, 333, 96),
-    _w("train", "candidates", 128, 8, 64, 256, 128),
-    _w("train", "candidates", 16, 64, 32, 180, 64),
-    _w("train", "candidates", 4, 256, 64, 180, 128),
-    _w("train", "pairs", 256, 256, 23, 333, 48),
-    _w("train", "pairs", 1000, 1000, 32, 180, 128),
-    _w("train", "varlen", 48, 96, 23, 333, 96, lq_min=5, ld_min=20),
-    _w("train", "pairlist", 32, 7, 23, 333, 48, lq_min=5, ld_min=20, pool=128),
-)
+#: (mode, layout, rows of (Nq, Nd or K, Lq, Ld, dim[, pool])). Fixed, so that runs on different days compare. Sizes
+#: mix the issue's off-matrix values (dim 48/96, Lq 23, Ld 333, K 7, Nq 7) with others the matrix does not hold
+#: (dim 64 with short documents, Lq 64/100/256, Ld 64/512/700/2048, Nq 1/3/4/16/48/200, K 20/64/256).
+_TABLE: tuple[tuple[str, str, tuple[tuple[int, ...], ...]], ...] = (
+    ("infer", "cross", (
+        (7, 1000, 23, 333, 48), (1, 1000, 23, 333, 96), (1, 5000, 64, 180, 128), (16, 2000, 32, 512, 64),
+        (48, 48, 23, 333, 96), (200, 200, 32, 128, 128), (1, 300, 256, 700, 128), (3, 777, 100, 333, 96),
+        (64, 64, 23, 64, 64),
+    )),
+    ("infer", "candidates", (
+        (7, 7, 23, 333, 96), (64, 20, 64, 300, 128), (16, 100, 23, 333, 48), (128, 7, 32, 1024, 64),
+        (32, 100, 48, 256, 128),
+    )),
+    ("infer", "pairs", ((1000, 1000, 23, 333, 96), (64, 64, 32, 2048, 128))),
+    ("infer", "varlen", ((7, 1000, 23, 333, 96),)),
+    ("infer", "pairlist", ((48, 20, 23, 333, 48, 512),)),
+    ("train", "cross", (
+        (48, 48, 23, 333, 48), (16, 16, 64, 512, 128), (100, 100, 32, 180, 96), (128, 128, 23, 333, 128),
+        (32, 32, 23, 64, 64), (7, 1000, 23, 333, 96), (1, 1000, 64, 300, 128),
+    )),
+    ("train", "candidates", (
+        (32, 7, 23, 333, 96), (128, 8, 64, 256, 128), (16, 64, 32, 180, 64), (4, 256, 64, 180, 128),
+    )),
+    ("train", "pairs", ((256, 256, 23, 333, 48), (1000, 1000, 32, 180, 128))),
+    ("train", "varlen", ((48, 96, 23, 333, 96),)),
+    ("train", "pairlist", ((32, 7, 23, 333, 48, 128),)),
+)  # fmt: skip
+OFF_MATRIX: tuple[Workload, ...] = tuple(_w(mode, layout, *row) for mode, layout, rows in _TABLE for row in rows)
 
 
 def main(argv: list[str] | None = None) -> int:
