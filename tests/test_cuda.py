@@ -243,8 +243,14 @@ def _ragged_fwd_bwd(lengths_q, lengths_d, pairs, *, seed):
 def test_no_recompile_across_ragged_lengths():
     """Ragged calls: new numbers of documents, new document lengths (and maxima), new pair lists, new query lengths
     within the longest query's power-of-two bucket compile nothing new. (The number of queries keeps to one
-    packing bucket, 5..8: below 8 queries the cross product packs fewer per program, a bounded set of variants.)"""
-    _ragged_fwd_bwd([5, 20, 32, 9, 11], [40, 7, 300], [(0, 1), (2, 2), (1, 0)], seed=0)
+    packing bucket, 5..8: below 8 queries the cross product packs fewer per program, a bounded set of variants.
+    Launches of few programs against long documents take the few-program variants: chunked documents
+    (launch.DOC_SPLIT_*), and for thin row blocks (a pair list) the deep pipeline (launch.DEEP_PIPELINE) with and
+    without chunks; the warm-up compiles each of them once.)"""
+    lq = [5, 20, 32, 9, 11]
+    _ragged_fwd_bwd(lq, [40, 7, 300], [(0, 1), (2, 2), (1, 0)], seed=0)
+    _ragged_fwd_bwd(lq, [40, 2000], [(0, 1), (1, 1)], seed=0)  # (chunked; pairs: deep, 4 chunks of 512 tokens)
+    _ragged_fwd_bwd(lq, [40, 520], [(0, 1)], seed=0)  # (pairs: deep, 5 tiles: no two chunks of 4)
     torch.cuda.synchronize()
     kernels = _jit_functions()
     before = {name: _compiled_keys(fn) for name, fn in kernels.items()}

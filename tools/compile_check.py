@@ -184,6 +184,16 @@ def main() -> None:
                             launch._plans.clear()
                             s, a = launch.forward(Q, D, qm, dm, normalize, True)
                             launch.forward(Q, D, qm, dm, normalize, False)
+                        # few programs against long documents: chunked, and thin blocks deep-pipelined
+                        few = launch.DEEP_PIPELINE_MIN_LD, launch.DOC_SPLIT_MIN_TILES
+                        launch._INTERPRETER_SMS, launch.DEEP_PIPELINE_MIN_LD, launch.DOC_SPLIT_MIN_TILES = 4096, 0, 1
+                        Dl = torch.randn(D.shape[:2] + (300, dim), dtype=dt)
+                        dml = torch.ones(Dl.shape[:3], dtype=torch.bool) if masks else None
+                        launch._plans.clear()
+                        launch.forward(Q, Dl, qm, dml, normalize, True)
+                        launch.forward(Q, Dl, qm, dml, normalize, False)
+                        launch.DEEP_PIPELINE_MIN_LD, launch.DOC_SPLIT_MIN_TILES = few
+                        launch._plans.clear()
                         a = torch.zeros(Q.shape[0], D.shape[1], lq, dtype=torch.int32)
                         g = torch.ones(Q.shape[0], D.shape[1])
                         for det in (False, True):

@@ -118,6 +118,15 @@ def streaming_config(cfg: ForwardConfig) -> ForwardConfig:
     return replace(cfg, BLOCK_N=64 if wide else 32, num_warps=4, persist=0)
 
 
+def deep_pipeline_config(cfg: ForwardConfig) -> ForwardConfig:
+    """``cfg`` for a launch of fewer programs than multiprocessors, each alone on its multiprocessor (launch.py's
+    DEEP_PIPELINE): the pipelined tile loop with 128-token tiles in 4 stages, 128 KB of a document in flight per
+    program at 128 dims. H100, in-process, pairs 64 Lq32 Ld2048 inference / training forward (us): 22.0 / 23.1
+    against the streaming loop's 33.0 and the table's 41.2; 128-token tiles in 3 stages 24.8 / 25.9, 6 stages
+    23.3 / 24.0; 64-token tiles in 6 stages 23.4 / 26.5."""
+    return replace(cfg, BLOCK_N=128, num_stages=4, num_warps=4, persist=0)
+
+
 CANDIDATE_OWNER_BLOCK_K = 64  # dims per dD owner program of a candidate document (see backward_config)
 
 

@@ -216,14 +216,14 @@ def _query_block(
 @triton.jit
 def _row_block(
     t0, r, q_in, q_len, r_hi, q_out, QM, sqm_n, sqm_l, q_base, sq_l, iq_base, siq_l, d_base, dm_doc, inv_doc, d_len,
-    dim, sd_l, sdm_l, sid_l, ARG, K, kk, Lq,
+    dim, sd_l, sdm_l, sid_l,
     TQ: tl.constexpr, BQ: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
     HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr, NORMALIZE: tl.constexpr, NORMS_GIVEN: tl.constexpr,
     SAVE_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, EARLY_NORMS: tl.constexpr,
     STREAM_D: tl.constexpr,
 ):  # fmt: skip
-    """Rows ``t0 .. t0 + TQ`` of the program's packed queries against one document: their argmax stored, their
-    per-query score contributions ``[BQ]`` returned."""
+    """Rows ``t0 .. t0 + TQ`` of the program's packed queries against one document: ``(token index t, value
+    [rows] (0 where a row is not live), argmax [rows] (-1 there; unset without SAVE_ARGMAX), live [rows])``."""
     BLOCK_M: tl.constexpr = BQ * TQ
     t, row_ok, q_rows, qt = _query_block(
         t0, r, q_in, q_len, r_hi, q_out, QM, sqm_n, sqm_l, q_base, sq_l, dim, TQ, BLOCK_K, HAS_QMASK, UPCAST
@@ -251,13 +251,11 @@ def _row_block(
             any_valid, dt_pre, ok_pre, BLOCK_N, BLOCK_K, NUM_K, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX,
             DOT_PRECISION, UPCAST, EARLY_NORMS, STREAM_D,
         )  # fmt: skip
-    row_val, a, _live = _finish_rows(
+    row_val, a, live = _finish_rows(
         m2, a2, tl.cdiv(d_len, BLOCK_N) * BLOCK_N, any_valid, qt, q_rows, iq_base + t * siq_l, row_ok, dim,
         BLOCK_N, BLOCK_K, NUM_K, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX, UPCAST,
     )  # fmt: skip
-    if SAVE_ARGMAX:
-        tl.store(ARG + (q_out.to(tl.int64) * K + kk) * Lq + t, a, mask=q_in & (t < r_hi))
-    return tl.sum(tl.reshape(row_val, [BQ, TQ]), axis=1)
+    return t, row_val, a, live
 
 
 # Sizes are runtime values (no recompile for a new Nq, K, Lq or Ld); strides stay specialized, because their
@@ -266,11 +264,11 @@ def _row_block(
 @triton.jit(
     do_not_specialize=[
         "Nq", "K", "Lq", "Ld", "n_qseq", "n_qrows", "n_dseq", "n_drows", "sqm_n", "sdm_b", "sdm_k", "sqs",
-        "sds_b", "sds_k", "n_qblocks", "n_rsplit", "rows_per_prog", "docs_per_prog",
+        "sds_b", "sds_k", "n_qblocks", "n_rsplit", "rows_per_prog", "docs_per_prog", "n_dsplit", "chunk_len",
     ]
 )  # fmt: skip
 def maxsim_fwd_kernel(
-    Q, D, QM, DM, QSEG, DSEG, PQ, PD, OUT, ARG, INV_Q, INV_D,
+    Q, D, QM, DM, QSEG, DSEG, PQ, PD, OUT, ARG, INV_Q, INV_D, PV, PA,
     Nq, K, Lq, Ld, dim,
     n_qseq, n_qrows, n_dseq, n_drows,
     sq_n, sq_l,
@@ -280,12 +278,12 @@ def maxsim_fwd_kernel(
     sqm_n, sqm_l,
     sdm_b, sdm_k, sdm_l,
     sqs, sds_b, sds_k,
-    n_qblocks, n_rsplit, rows_per_prog, docs_per_prog,
+    n_qblocks, n_rsplit, rows_per_prog, docs_per_prog, n_dsplit, chunk_len,
     TQ: tl.constexpr, BQ: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
     Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr,
     HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr, NORMALIZE: tl.constexpr, SAVE_ARGMAX: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PERSIST: tl.constexpr, NORMS_GIVEN: tl.constexpr,
-    EARLY_NORMS: tl.constexpr, STREAM_D: tl.constexpr,
+    EARLY_NORMS: tl.constexpr, STREAM_D: tl.constexpr, DOC_SPLIT: tl.constexpr,
 ):  # fmt: skip
     """Scores ``OUT [n_rsplit, Nq, K]`` and argmax ``ARG [Nq, K, Lq]``; a pair list runs as ``Nq = 1``, ``K`` =
     number of pairs, query and document of pair ``k`` read from ``PQ[k]``, ``PD[k]``.
@@ -301,13 +299,24 @@ def maxsim_fwd_kernel(
     ``STREAM_D`` (``NUM_K == 1``): every document tile is read by this program only; it is loaded one tile ahead
     with an evict-first hint (``_stream_tile``), its mask two tiles ahead.
 
+    ``DOC_SPLIT`` (not with ``PERSIST``): each document is scanned in ``n_dsplit`` chunks of ``chunk_len`` tokens (a
+    multiple of ``BLOCK_N``) by programs of their own, for launches that would otherwise leave multiprocessors idle
+    (few long documents). A program writes its rows' maxima to ``PV [n_dsplit, Nq, K, Lq]`` (fp32) and ``PA`` (int32:
+    the token of the max, or -1 where the row saw no valid token in the chunk); ``OUT [Nq, K]`` gets 0, or NaN for
+    an out-of-range segment, to which :func:`.doc_chunks.combine_chunks_kernel` adds the rows' sum.
+
     Every program holds one block of ``rows_per_prog <= TQ`` query rows (``rs``-th of ``n_rsplit``)."""
     BLOCK_M: tl.constexpr = BQ * TQ
     pid = tl.program_id(0)
-    # Query blocks, then row splits vary fastest, so programs that run together share a document through L2.
+    # Query blocks, then row splits (then document chunks) vary fastest, so programs that run together share a
+    # document through L2.
     qb = pid % n_qblocks
     rs = (pid // n_qblocks) % n_rsplit
     kk = (pid // (n_qblocks * n_rsplit)).to(tl.int64)
+    chunk = 0
+    if DOC_SPLIT:
+        chunk = kk % n_dsplit
+        kk = kk // n_dsplit
     r = tl.arange(0, BLOCK_M)
     q_out = qb * BQ + r // TQ  # output row of each MMA row
     q_in = q_out < Nq
@@ -392,31 +401,60 @@ def maxsim_fwd_kernel(
                 INV_D, DSEG, b, doc, K, Ld, n_dseq, n_drows, sid_b, sid_k, sid_l, sds_b, sds_k, D_KIND
             )
 
-        score = tl.zeros([BQ], dtype=tl.float32)
         # A program holds one block of rows_per_prog <= TQ rows (longer queries are split over programs, each
         # writing a partial score). Rows past the longest query of the block are not computed (only their argmax
         # slots are written, below).
         r_end = tl.minimum(r_hi, tl.max(tl.where(q_in, q_len, 0), axis=0))
-        # (an if, not a loop over row blocks: a tile loop nested in another one is compiled with the nest's
-        # bookkeeping in every tile)
-        if r_lo < r_end:
-            score += _row_block(
-                r_lo, r, q_in, q_len, r_hi, q_out, QM, sqm_n, sqm_l, q_base, sq_l, iq_base, siq_l, d_base, dm_doc,
-                inv_doc, d_len, dim, sd_l, sdm_l, sid_l, ARG, K, kk, Lq,
-                TQ, BQ, BLOCK_N, BLOCK_K, NUM_K, HAS_QMASK, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX,
-                DOT_PRECISION, UPCAST, EARLY_NORMS, STREAM_D,
-            )  # fmt: skip
-        if SAVE_ARGMAX:
-            # Slots past the end of every query of the block: no token, argmax -1.
-            t_tail = r_lo + tl.cdiv(tl.maximum(r_end - r_lo, 0), TQ) * TQ
-            for t0 in range(t_tail, r_hi, TQ):
-                t = t0 + r % TQ
-                tl.store(
-                    ARG + (q_out.to(tl.int64) * K + kk) * Lq + t,
-                    tl.full([BLOCK_M], -1, dtype=tl.int32),
-                    mask=q_in & (t < r_hi),
-                )
+        if DOC_SPLIT:
+            # This program scans tokens [c0, c0 + chunk_len) of the document and leaves each row's max (and where
+            # it is, or -1 where the row saw no valid token) to doc_chunks.combine_chunks_kernel.
+            c0 = (chunk * chunk_len).to(tl.int32)
+            d_base += c0.to(tl.int64) * sd_l
+            dm_doc += c0.to(tl.int64) * sdm_l
+            inv_doc += c0.to(tl.int64) * sid_l
+            t = r_lo + r % TQ
+            pv = tl.zeros([BLOCK_M], dtype=tl.float32)
+            pa = tl.full([BLOCK_M], -1, dtype=tl.int32)
+            if r_lo < r_end:
+                t, pv, a, live = _row_block(
+                    r_lo, r, q_in, q_len, r_hi, q_out, QM, sqm_n, sqm_l, q_base, sq_l, iq_base, siq_l, d_base,
+                    dm_doc, inv_doc, tl.minimum(tl.maximum(d_len - c0, 0), chunk_len), dim, sd_l, sdm_l, sid_l,
+                    TQ, BQ, BLOCK_N, BLOCK_K, NUM_K, HAS_QMASK, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX,
+                    DOT_PRECISION, UPCAST, EARLY_NORMS, STREAM_D,
+                )  # fmt: skip
+                pa = tl.where(live, a + c0, -1)
+            at = ((chunk * Nq + q_out.to(tl.int64)) * K + kk) * Lq + t
+            tl.store(PV + at, pv, mask=q_in & (t < r_hi))
+            tl.store(PA + at, pa, mask=q_in & (t < r_hi))
+            # The combine adds the rows' sum to this: NaN for an out-of-range segment, as below.
+            base = tl.where(q_bad_blk | d_bad, float("nan"), 0.0)
+            # (one program per query block and document writes it: the first chunk of the first row block)
+            tl.store(OUT + q_first * K + kk, base, mask=q_first < tl.where(chunk + rs == 0, Nq, 0))
+        else:
+            score = tl.zeros([BQ], dtype=tl.float32)
+            # (an if, not a loop over row blocks: a tile loop nested in another one is compiled with the nest's
+            # bookkeeping in every tile)
+            if r_lo < r_end:
+                t, row_val, a, _live = _row_block(
+                    r_lo, r, q_in, q_len, r_hi, q_out, QM, sqm_n, sqm_l, q_base, sq_l, iq_base, siq_l, d_base, dm_doc,
+                    inv_doc, d_len, dim, sd_l, sdm_l, sid_l,
+                    TQ, BQ, BLOCK_N, BLOCK_K, NUM_K, HAS_QMASK, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX,
+                    DOT_PRECISION, UPCAST, EARLY_NORMS, STREAM_D,
+                )  # fmt: skip
+                if SAVE_ARGMAX:
+                    tl.store(ARG + (q_out.to(tl.int64) * K + kk) * Lq + t, a, mask=q_in & (t < r_hi))
+                score += tl.sum(tl.reshape(row_val, [BQ, TQ]), axis=1)
+            if SAVE_ARGMAX:
+                # Slots past the end of every query of the block: no token, argmax -1.
+                t_tail = r_lo + tl.cdiv(tl.maximum(r_end - r_lo, 0), TQ) * TQ
+                for t0 in range(t_tail, r_hi, TQ):
+                    t = t0 + r % TQ
+                    tl.store(
+                        ARG + (q_out.to(tl.int64) * K + kk) * Lq + t,
+                        tl.full([BLOCK_M], -1, dtype=tl.int32),
+                        mask=q_in & (t < r_hi),
+                    )
 
-        # Out-of-range offsets, lengths or pair ids poison their scores instead of passing as plausible numbers.
-        score = tl.where(q_bad_blk | d_bad, float("nan"), score)
-        tl.store(OUT + (rs.to(tl.int64) * Nq + q_first) * K + kk, score, mask=q_first < Nq)
+            # Out-of-range offsets, lengths or pair ids poison their scores instead of passing as plausible numbers.
+            score = tl.where(q_bad_blk | d_bad, float("nan"), score)
+            tl.store(OUT + (rs.to(tl.int64) * Nq + q_first) * K + kk, score, mask=q_first < Nq)

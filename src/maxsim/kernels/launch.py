@@ -14,13 +14,20 @@ from torch import Tensor
 
 from ..layout import Ragged, Views, dims, view_as_canonical
 from . import csr as csr_kernel
-from . import dd_gather, slices
+from . import dd_gather, doc_chunks, slices
 from . import normalize as normalize_kernels
 from .backward import maxsim_bwd_kernel, maxsim_bwd_scatter_kernel
-from .configs import BackwardConfig, ForwardConfig, backward_config, forward_config, streaming_config
+from .configs import (
+    BackwardConfig,
+    ForwardConfig,
+    backward_config,
+    deep_pipeline_config,
+    forward_config,
+    streaming_config,
+)
 from .forward import maxsim_fwd_kernel
 from .launcher import INTERPRETER, Launcher
-from .sizes import cdiv
+from .sizes import cdiv, next_power_of_2
 
 _fwd = Launcher(maxsim_fwd_kernel)
 _bwd = Launcher(maxsim_bwd_kernel)
@@ -29,6 +36,7 @@ _csr = Launcher(csr_kernel.csr_count_kernel)
 _link_keys = Launcher(dd_gather.link_keys_kernel)
 _dd_gather = Launcher(dd_gather.dd_gather_kernel)
 _sum_slices = Launcher(slices.sum_slices_kernel)
+_combine_chunks = Launcher(doc_chunks.combine_chunks_kernel)
 
 DENSE, OFFSETS, LENGTHS = 0, 1, 2  # segment kinds, as in kernels/segments.py
 # A pair list's backward scans the pair ids in each program (no index built) while programs x pairs stays under
@@ -118,6 +126,21 @@ STREAM_UNSHARED_MAX_ROWS = 64
 STREAM_ONCE_READ = 1
 STREAM_L2_RANGE = (0.5, 7.0)
 STREAM_MASKED_MIN_BLOCK_K = 128
+# A forward launch of fewer programs than the GPU has multiprocessors (few long documents: 64 pairs of 2048 tokens)
+# is bound by how many bytes each program keeps in flight, one 16 KB tile in the streaming loop, 24 KB in the
+# table's pipelined one: thin row blocks (<= 32 rows, one dim chunk, 16-bit) against documents of at least
+# DEEP_PIPELINE_MIN_LD tokens then take configs.deep_pipeline_config (four 32 KB tiles in flight). H100,
+# in-process (docs/performance.md v50): pairs 64 Lq32 Ld2048 inference 33.0 -> 22.0 us, training forward 41.2 ->
+# 23.1; cross 1x64 and candidates 4x16 the same; pairs 128 Ld1024 training forward 29.6 -> 22.3.
+DEEP_PIPELINE = 1
+DEEP_PIPELINE_MIN_LD = 512
+# A launch that fills at most 1 / DOC_SPLIT_BELOW of the multiprocessors (a handful of long documents) scans each
+# document in chunks by programs of their own, enough for DOC_SPLIT_PROGRAMS_PER_SM programs a multiprocessor, each
+# chunk at least DOC_SPLIT_MIN_TILES tiles; the chunks' row maxima are folded by one launch more
+# (kernels/doc_chunks.py), which costs a launch and an allocation of host time. Not for persistent launches.
+DOC_SPLIT_BELOW = 4
+DOC_SPLIT_PROGRAMS_PER_SM = 1
+DOC_SPLIT_MIN_TILES = 4
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -280,6 +303,7 @@ class _ForwardPlan(NamedTuple):
     K: int
     Lq: int
     n_rsplit: int
+    n_dsplit: int  # chunks each document is scanned in (see DOC_SPLIT_*)
     norms_given: bool  # normalize from a pre-pass's inverse norms (see PRENORM_*)
     grid: int
     ints: tuple
@@ -288,6 +312,7 @@ class _ForwardPlan(NamedTuple):
     num_stages: int
     maxnreg: int
     launches: dict  # the launcher's plan cache (see Launcher)
+    combine_launches: dict  # the same, for the chunks' fold (n_dsplit > 1)
 
 
 _plans: dict[tuple, _ForwardPlan] = {}
@@ -327,7 +352,8 @@ def forward_keeping_norms(
             None if q_mask is None else q_mask.stride(), None if d_mask is None else d_mask.stride(), normalize,
             need_argmax, torch.get_float32_matmul_precision() if Q.dtype == torch.float32 else None, _ragged_key(rg),
             PRENORM_MIN_ROW_BLOCKS, PRENORM_MIN_QUERY_BLOCKS, PRENORM_UNSHARED, STREAM_ONCE_READ, STREAM_L2_RANGE,
-            STREAM_MASKED_MIN_BLOCK_K, STREAM_UNSHARED_MAX_ROWS,
+            STREAM_MASKED_MIN_BLOCK_K, STREAM_UNSHARED_MAX_ROWS, DEEP_PIPELINE, DEEP_PIPELINE_MIN_LD, DOC_SPLIT_BELOW,
+            DOC_SPLIT_PROGRAMS_PER_SM, DOC_SPLIT_MIN_TILES,
         )  # fmt: skip
         plan = _plans.get(key)
         if plan is not None:
@@ -346,15 +372,20 @@ def forward_keeping_norms(
     shared = Bd == 1 and not sg.pairs
     from_table = cfg is None
     cfg = cfg or forward_config(Lq, dim, Nq, shared, Q.dtype == torch.float32)
-    stream = not need_argmax and _streams(sg, shared, cdiv(Nq, cfg.BQ), cdiv(Lq, cfg.TQ), cfg, D, d_mask is not None)
-    if stream and from_table:
-        cfg = streaming_config(cfg)
-    sqm = (0, 0) if q_mask is None else q_mask.stride()
-    sdm = (0, 0, 0) if d_mask is None else ((0 if shared else d_mask.stride(0)),) + d_mask.stride()[1:]
     n_qblocks = cdiv(Nq, cfg.BQ)
     # Queries longer than one row block: one program per row block (more programs, shorter ones), partial scores
     # summed afterwards in a fixed order.
     n_rsplit = cdiv(Lq, cfg.TQ)
+    n_programs = n_qblocks * n_rsplit * K  # (one per document and row block)
+    stream = False
+    if from_table and _deep_pipelined(n_programs, cfg, Ld, D):
+        cfg = deep_pipeline_config(cfg)
+    else:
+        stream = not need_argmax and _streams(sg, shared, n_qblocks, n_rsplit, cfg, D, d_mask is not None)
+        if stream and from_table:
+            cfg = streaming_config(cfg)
+    sqm = (0, 0) if q_mask is None else q_mask.stride()
+    sdm = (0, 0, 0) if d_mask is None else ((0 if shared else d_mask.stride(0)),) + d_mask.stride()[1:]
     rows_per_prog = cfg.TQ if n_rsplit > 1 else Lq
     docs_per_prog = 1
     if cfg.persist and not sg.pairs and sg.d_kind == DENSE and cfg.NUM_K == 1:
@@ -365,6 +396,9 @@ def forward_keeping_norms(
         # documents persistence still wins (64x64 Ld128 0.025 against 0.032 ms, 256x256 Ld300 0.54 against 0.62).
         gain = ONE_DOC_GAIN if cfg.persist == 1 else 1.0
         docs_per_prog = _docs_per_program(n_qblocks * n_rsplit, K, slots, cdiv(Ld, cfg.BLOCK_N), gain)
+    n_dsplit, chunk_len = 1, 0
+    if docs_per_prog == 1:
+        n_dsplit, chunk_len = _doc_chunks(n_programs, Ld, cfg.BLOCK_N, Q.device)
     norms_given = normalize and (
         n_rsplit >= PRENORM_MIN_ROW_BLOCKS
         or (n_qblocks >= PRENORM_MIN_QUERY_BLOCKS if shared else bool(PRENORM_UNSHARED))
@@ -372,14 +406,14 @@ def forward_keeping_norms(
     inv_q_strides = _q_strides(torch.empty(Q.shape[:-1] + (1,), device="meta")) if norms_given else (0, 0)
     inv_d_strides = _d_strides(torch.empty(D.shape[:-1] + (1,), device="meta"), shared) if norms_given else (0, 0, 0)
     plan = _ForwardPlan(
-        Nq, K, Lq, n_rsplit, norms_given,
-        n_qblocks * n_rsplit * cdiv(K, docs_per_prog),
+        Nq, K, Lq, n_rsplit, n_dsplit, norms_given,
+        n_qblocks * n_rsplit * n_dsplit * cdiv(K, docs_per_prog),
         (
             Nq, K, Lq, Ld, dim,
             sg.n_q, sg.rows_q, sg.n_d, sg.rows_d,
             *_q_strides(Q), *_d_strides(D, shared), *inv_q_strides, *inv_d_strides, *sqm, *sdm,
             sg.sqs, sg.sds_b, sg.sds_k,
-            n_qblocks, n_rsplit, rows_per_prog, docs_per_prog,
+            n_qblocks, n_rsplit, rows_per_prog, docs_per_prog, n_dsplit, chunk_len,
         ),
         dict(
             TQ=cfg.TQ, BQ=cfg.BQ, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, NUM_K=cfg.NUM_K,
@@ -389,11 +423,12 @@ def forward_keeping_norms(
             PERSIST=docs_per_prog > 1, NORMS_GIVEN=norms_given,
             # (a split query's scores-only loop ran 5 % slower with the early load: ColPali 357 -> 376 us)
             EARLY_NORMS=norms_given and (need_argmax or n_rsplit == 1),
-            STREAM_D=stream,
+            STREAM_D=stream, DOC_SPLIT=n_dsplit > 1,
         ),
         cfg.num_warps,
         cfg.num_stages,
         cfg.maxnreg,
+        {},
         {},
     )  # fmt: skip
     if key is not None:
@@ -401,6 +436,28 @@ def forward_keeping_norms(
             _plans.clear()
         _plans[key] = plan
     return _run_forward(plan, Q, D, q_mask, d_mask, (sg.qseg, sg.dseg, sg.pq, sg.pd), need_argmax)
+
+
+def _doc_chunks(n_programs: int, Ld: int, block_n: int, device: torch.device) -> tuple[int, int]:
+    """``(chunks, tokens per chunk)`` each document of a forward launch of ``n_programs`` programs (one per document
+    and row block) is scanned in: ``(1, 0)`` unless the launch would leave multiprocessors idle (see DOC_SPLIT_*).
+    Chunks are whole tiles of ``block_n`` tokens, from the longest document's ``Ld``."""
+    sms = _sm_count(device)
+    if not DOC_SPLIT_PROGRAMS_PER_SM or n_programs * DOC_SPLIT_BELOW > sms:
+        return 1, 0
+    tiles = cdiv(Ld, block_n)
+    n = min(cdiv(DOC_SPLIT_PROGRAMS_PER_SM * sms, n_programs), tiles // max(1, DOC_SPLIT_MIN_TILES))
+    if n < 2:
+        return 1, 0
+    chunk_tiles = cdiv(tiles, n)
+    return cdiv(tiles, chunk_tiles), chunk_tiles * block_n
+
+
+def _deep_pipelined(n_programs: int, cfg: ForwardConfig, Ld: int, D: Tensor) -> bool:
+    """Whether a forward of ``n_programs`` programs (one per document and row block) takes
+    ``deep_pipeline_config`` (see DEEP_PIPELINE)."""
+    thin = cfg.BQ * cfg.TQ <= 32 and cfg.NUM_K == 1 and D.element_size() == 2
+    return bool(DEEP_PIPELINE) and thin and Ld >= DEEP_PIPELINE_MIN_LD and n_programs < _sm_count(D.device)
 
 
 def _streams(
@@ -431,13 +488,22 @@ def _run_forward(
     scores = torch.empty((plan.Nq, plan.K), dtype=torch.float32, device=device)
     # No argmax tensor at all when none is asked for (the registered op substitutes an empty one).
     argmax = torch.empty((plan.Nq, plan.K, plan.Lq), dtype=torch.int32, device=device) if need_argmax else None
-    n_rsplit = plan.n_rsplit
-    out = scores if n_rsplit == 1 else torch.empty((n_rsplit, plan.Nq, plan.K), dtype=torch.float32, device=device)
+    n_rsplit, n_dsplit = plan.n_rsplit, plan.n_dsplit
+    # (chunked documents: the fold sums every row of a query, its row blocks' included)
+    separate_rows = n_rsplit > 1 and n_dsplit == 1
+    out = torch.empty((n_rsplit, plan.Nq, plan.K), dtype=torch.float32, device=device) if separate_rows else scores
     qm = Q if q_mask is None else q_mask.view(torch.uint8)
     dm = Q if d_mask is None else d_mask.view(torch.uint8)
     arg = scores if argmax is None else argmax
     norms = normalize_kernels.inverse_norms(Q, D) if plan.norms_given else None
-    tensors = (Q, D, qm, dm, *segs, out, arg, *(norms or (Q, D)))  # (Q, D: unused pointers)
+    chunk_rows = (scores, scores)  # (unused pointers)
+    if n_dsplit > 1:
+        rows = (n_dsplit, plan.Nq, plan.K, plan.Lq)
+        chunk_rows = (
+            torch.empty(rows, dtype=torch.float32, device=device),
+            torch.empty(rows, dtype=torch.int32, device=device),
+        )
+    tensors = (Q, D, qm, dm, *segs, out, arg, *(norms or (Q, D)), *chunk_rows)  # (Q, D: unused pointers)
     dense = q_mask is None and d_mask is None and segs[0] is segs[1] is segs[2] is segs[3] is Q
     foreign = (Q, D) if dense else (Q, D, qm, dm, *segs)
     _fwd(
@@ -451,7 +517,18 @@ def _run_forward(
         plan.maxnreg,
         foreign=foreign,
     )
-    if n_rsplit > 1:
+    if n_dsplit > 1:
+        _combine_chunks(
+            plan.Nq * plan.K,
+            (*chunk_rows, scores, arg),
+            (plan.Nq * plan.K, plan.Lq, n_dsplit),
+            dict(LQ_BLOCK=min(128, next_power_of_2(plan.Lq)), SAVE_ARGMAX=argmax is not None),
+            4,
+            1,
+            plan.combine_launches,
+            foreign=(),
+        )
+    elif n_rsplit > 1:
         torch.sum(out, dim=0, out=scores)
     return scores, argmax, norms
 
