@@ -115,7 +115,17 @@ def streaming_config(cfg: ForwardConfig) -> ForwardConfig:
     32-token tiles at any width (H100, candidates 64x20 Lq64 Ld300: 16-token tiles 51.8 us, 32 45.4, 64 48.2; 16x100
     Lq64 Ld512 dim 64: 56.1, 45.1, 48.3)."""
     wide = cfg.BLOCK_K >= 128 and cfg.BQ * cfg.TQ <= 32
-    return replace(cfg, BLOCK_N=64 if wide else 32, num_warps=4, persist=0)
+    bn = STREAM_WIDE_BLOCK_N if wide else STREAM_NARROW_BLOCK_N
+    return replace(cfg, BLOCK_N=bn, num_warps=STREAM_NUM_WARPS, persist=0)
+
+
+# Module settings, for tools/knobs.py. H100 (docs/performance.md v50): 128-token tiles at 128 dims 1x1000 Ld300 37.5 ->
+# 43.1 us, candidates 32x50 37.7 -> 46.2, candidates 32x100 84.1 -> 84.2; 8 warps 1.07-1.15x slower; narrow
+# (<= 64 dims) 64- or 128-token tiles: candidates 128x7 Ld1024 dim 64 50.7 -> 54.0 / 54.3, 1x1000 Ld1024 dim 48
+# 45.2 -> 48.4 / 47.2.
+STREAM_WIDE_BLOCK_N = 64
+STREAM_NARROW_BLOCK_N = 32
+STREAM_NUM_WARPS = 4
 
 
 def deep_pipeline_config(cfg: ForwardConfig) -> ForwardConfig:
