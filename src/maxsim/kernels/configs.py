@@ -116,16 +116,19 @@ def streaming_config(cfg: ForwardConfig) -> ForwardConfig:
     Lq64 Ld512 dim 64: 56.1, 45.1, 48.3)."""
     wide = cfg.BLOCK_K >= 128 and cfg.BQ * cfg.TQ <= 32
     bn = STREAM_WIDE_BLOCK_N if wide else STREAM_NARROW_BLOCK_N
-    return replace(cfg, BLOCK_N=bn, num_warps=STREAM_NUM_WARPS, persist=0)
+    return replace(cfg, BLOCK_N=bn, num_warps=STREAM_NUM_WARPS, persist=STREAM_PERSIST)
 
 
 # Module settings, for tools/knobs.py. H100 (docs/performance.md v50): 128-token tiles at 128 dims 1x1000 Ld300 37.5 ->
 # 43.1 us, candidates 32x50 37.7 -> 46.2, candidates 32x100 84.1 -> 84.2; 8 warps 1.07-1.15x slower; narrow
 # (<= 64 dims) 64- or 128-token tiles: candidates 128x7 Ld1024 dim 64 50.7 -> 54.0 / 54.3, 1x1000 Ld1024 dim 48
-# 45.2 -> 48.4 / 47.2.
+# 45.2 -> 48.4 / 47.2; persistent streaming programs (STREAM_PERSIST 2 / 4 / 8 a multiprocessor): candidates 32x100
+# 83.8 -> 87.3 / 106.7 / 94.5 us, 32x50 37.6 -> 36.9 / 38.2 / 39.5, 1x1000 Ld300 37.0 -> 36.5 / 44.1 / 37.2,
+# candidates 128x7 Ld1024 dim 64 50.6 -> 92.3 / 60.2 / 50.6.
 STREAM_WIDE_BLOCK_N = 64
 STREAM_NARROW_BLOCK_N = 32
 STREAM_NUM_WARPS = 4
+STREAM_PERSIST = 0
 
 
 def deep_pipeline_config(cfg: ForwardConfig) -> ForwardConfig:
