@@ -126,3 +126,69 @@ CASE_NAMES = list(_cases("cpu"))
 @pytest.mark.parametrize("name", CASE_NAMES)
 def test_bad_input_is_rejected(name, backend, device):
     assert_rejected(*_cases(device)[name])
+
+
+def _slow_packed_checks(Q, D, cu_q, cu_d, pq, pd, max_q, max_d, normalize, backward, return_argmax, validate):
+    """The packed functions' checks in turn (what runs when the one-expression check says no)."""
+    from maxsim import ragged
+    from maxsim import validate as check_arg
+
+    ragged._packed_args(Q, D, cu_q, cu_d, max_q, max_d, validate)
+    ragged._common(Q, D, normalize, backward, return_argmax)
+    if pq is not None:
+        pq = check_arg.index_tensor("pair_q", pq, 1, Q.device)
+        pd = check_arg.index_tensor("pair_d", pd, 1, Q.device)
+        if pq.shape != pd.shape:
+            raise ValueError("pair_d")
+
+
+def test_packed_one_expression_check_passes_only_calls_the_checks_pass():
+    """``validate.packed_call`` (the well-formed packed call's shortcut) says yes only where every check in turn
+    passes, and yes for the well-formed calls themselves (strided index tensors go the long way: made contiguous)."""
+    from maxsim import validate as check_arg
+
+    Q, D = torch.randn(9, 16), torch.randn(12, 16)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    pq = torch.tensor([0, 1, 1])
+    good = dict(Q=Q, D=D, cu_q=cu, cu_d=cu.long(), pq=pq, pd=pq.int(), max_q=5, max_d=None, normalize=False,
+                backward="auto", return_argmax=True, validate=None)  # fmt: skip
+    bad = {
+        "Q": [Q.double(), Q.int(), Q[None], torch.randn(9, 8), "Q", torch.randn(9, 0)],
+        "D": [D.half(), D[:, :8], D[None], None],
+        "cu_q": [cu.float(), cu[None], cu[:0], cu.tolist(), torch.tensor([0, 9, 9, 9])[::2]],
+        "cu_d": [cu.double(), torch.zeros(0, dtype=torch.int32)],
+        "pq": [pq[:2], pq.float(), pq[None], torch.tensor([0, 0, 1, 1, 1, 1])[::2]],
+        "pd": [pq[:1], pq.double()],
+        "max_q": [-1, 5.0, True, "5"],
+        "max_d": [-2, 3.5, False],
+        "normalize": [1, None, "yes"],
+        "backward": ["slow", None, 0],
+        "return_argmax": [0, None],
+        "validate": [1, "no"],
+    }
+    args = list(good)
+    assert check_arg.packed_call(*good.values())
+    assert check_arg.packed_call(*{**good, "pq": None, "pd": None}.values())
+    for name, values in bad.items():
+        for value in values:
+            case = {**good, name: value}
+            fast = check_arg.packed_call(*(case[a] for a in args))
+            try:
+                _slow_packed_checks(*(case[a] for a in args))
+                slow = True
+            except (TypeError, ValueError):
+                slow = False
+            assert not fast or slow, (name, value)
+            assert fast == (slow and name not in ("cu_q", "pq")), (name, value)  # (strided: the long way)
+
+
+def test_packed_calls_reject_a_non_tensor_as_such():
+    """A non-tensor Q or D of a packed call is a TypeError naming it (the checks of tensors come first)."""
+    Q, D = torch.randn(9, 16), torch.randn(12, 16)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    pq = torch.tensor([0, 1])
+    for name, args in (("Q", ("Q", D)), ("D", (Q, [1.0]))):
+        with pytest.raises(TypeError, match=f"^{name}: expected a torch.Tensor"):
+            maxsim.maxsim_varlen(*args, cu, cu)
+        with pytest.raises(TypeError, match=f"^{name}: expected a torch.Tensor"):
+            maxsim.maxsim_pairs_varlen(*args, cu, cu, pq, pq)

@@ -192,6 +192,10 @@ def test_backward_plans_describe_every_call_exactly(monkeypatch):
         (torch.randn(4, 3), Q, Dc, argc, False, False, None),
         (torch.randn(1, 4), Qp, Dp, argp, False, False, rg),
         (torch.randn(1, 4), Qp, Dp, argp, False, True, rg),
+        # the caller's [P] result shape (Views.out): contiguous, strided, a .sum() loss's stride 0
+        (torch.randn(4), Qp, Dp, argp[0], False, False, rg, None, Views((), (), (4,))),
+        (torch.randn(8)[::2], Qp, Dp, argp[0], False, True, rg, None, Views((), (), (4,))),
+        (torch.ones(()).expand(4), Qp, Dp, argp[0], False, False, rg, None, Views((), (), (4,))),
     ]
     limits = (launch.PAIR_SCAN_MAX_WORK, 0)
     fresh = {}
@@ -305,6 +309,49 @@ def test_launches_name_every_caller_tensor_foreign(monkeypatch, name, args, grad
         for i, t in enumerate(tensors):
             if id(t) not in named:
                 assert t.untyped_storage().data_ptr() not in owned, (kernel, i)
+
+
+def test_results_in_the_callers_shape_are_no_views(device):
+    """Aligned pairs and pair lists come back as ``[P]`` (argmax ``[P, Lq]``) allocated so, not as views of a
+    ``[1, P]`` grid (a view costs host time); their gradients follow any upstream layout: contiguous, strided, or
+    a ``.sum()`` loss's stride 0."""
+    from helpers import randn, triton_usable
+
+    import maxsim
+    from maxsim import reference
+
+    if not triton_usable(device):
+        pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
+    Q, D = randn((3, 5, 16), seed=1, device=device), randn((3, 7, 16), seed=2, device=device)
+    cu_q = torch.tensor([0, 2, 5, 9], dtype=torch.int32, device=device)
+    cu_d = torch.tensor([0, 3, 10, 12], dtype=torch.int32, device=device)
+    Qp, Dp = randn((9, 16), seed=3, device=device), randn((12, 16), seed=4, device=device)
+    pq = torch.tensor([2, 0, 2, 1], device=device)
+    pd = torch.tensor([1, 1, 0, 2], device=device)
+
+    def pair_list(q, d, **kw):
+        return maxsim.maxsim_pairs_varlen(q, d, cu_q, cu_d, pq, pd, max_seqlen_q=4, max_seqlen_d=7, **kw)
+
+    def ref_pair_list(q, d):
+        return reference.maxsim_pairs_varlen(q, d, cu_q, cu_d, pq, pd)
+
+    calls = {
+        "pairs": (maxsim.maxsim_pairs, reference.maxsim_pairs, Q, D),
+        "pair list": (pair_list, ref_pair_list, Qp, Dp),
+    }
+    with maxsim.backend("triton"):
+        for name, (ours, ref, q, d) in calls.items():
+            with torch.no_grad():
+                scores, argmax = ours(q, d, return_argmax=True)
+            assert scores._base is None and argmax._base is None, name
+            qg, dg = q.clone().requires_grad_(), d.clone().requires_grad_()
+            n = scores.shape[0]
+            for g in (randn((n,), seed=5, device=device), randn((2 * n,), seed=6, device=device)[::2], None):
+                out, want = ours(qg, dg), ref(qg, dg)
+                got = torch.autograd.grad(out.sum() if g is None else out, (qg, dg), g)
+                ref_g = torch.autograd.grad(want.sum() if g is None else want, (qg, dg), g)
+                for a, b in zip(got, ref_g, strict=True):
+                    torch.testing.assert_close(a, b, msg=name)
 
 
 def test_inference_plans_tell_the_callers_layouts_apart(device):

@@ -108,6 +108,20 @@ def dense_case(nq: int, nd: int, lq: int, ld: int, dim: int = 128, candidates: b
     return {"infer": infer, "train step": step, "floor step": floor}
 
 
+def pairs_case(b: int, lq: int, ld: int, dim: int = 128) -> dict:
+    """Aligned pairs (:func:`maxsim.maxsim_pairs`): ``[B]`` scores, the caller's shape of a ``[B, 1]`` grid."""
+    Q = torch.randn(b, lq, dim, dtype=torch.bfloat16, device=DEV)
+    D = torch.randn(b, ld, dim, dtype=torch.bfloat16, device=DEV)
+    Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+    g = torch.randn(b, device=DEV)
+
+    def infer():
+        with torch.no_grad():
+            return maxsim.maxsim_pairs(Q, D)
+
+    return {"infer": infer, "train step": lambda: torch.autograd.grad(maxsim.maxsim_pairs(Qg, Dg), (Qg, Dg), g)}
+
+
 def pair_list_case(nq: int, k: int, lq: int, ld: int, dim: int = 128, pool: int | None = None) -> dict:
     """``nq`` queries with ``k`` candidates each, from a pool of ``pool`` documents (``nq * k``: each used once)."""
     n_docs = nq * k if pool is None else pool
@@ -146,6 +160,7 @@ def main() -> None:
         "cross 32x32 Lq32 Ld80": dense_case(32, 32, 32, 80),
         "cross 64x64 Lq23 Ld333 d96": dense_case(64, 64, 23, 333, 96),
         "candidates 64x32 Ld180": dense_case(64, 32, 32, 180, candidates=True),
+        "pairs 512 Lq32 Ld300": pairs_case(512, 32, 300),
         "pair list 64x32 Ld180": pair_list_case(64, 32, 32, 180),
         "pair list pool 1024 Ld1000": pair_list_case(64, 32, 32, 1000, pool=1024),
     }

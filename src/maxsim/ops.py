@@ -50,14 +50,18 @@ def forward_impl(
 ) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor] | None]:
     """Scores, argmax (None or empty when not asked for) and, where the implementation computed them, the tokens'
     inverse norms of ``normalize=True`` (for :func:`backward_impl`; else None). ``views``: ``Q`` and ``D`` are the
-    caller's tensors, to be viewed canonically (results stay canonical)."""
+    caller's tensors, to be viewed canonically, and the results come in the caller's shape (``views.out``)."""
     if impl == "triton":
         return _triton_path().forward_keeping_norms(Q, D, q_mask, d_mask, normalize, need_argmax, rg, views=views)
     if views is not None:
         Q, D = _in_views(Q, D, views)
     if rg is not None:
-        return (*cpu_ragged.forward(Q, D, normalize, need_argmax, rg), None)
-    return (*cpu.forward(Q, D, q_mask, d_mask, normalize, need_argmax), None)
+        scores, argmax = cpu_ragged.forward(Q, D, normalize, need_argmax, rg)
+    else:
+        scores, argmax = cpu.forward(Q, D, q_mask, d_mask, normalize, need_argmax)
+    if views is not None:
+        scores, argmax = _out_views(scores, argmax, views)
+    return scores, argmax, None
 
 
 def backward_impl(
@@ -73,12 +77,14 @@ def backward_impl(
     views: Views | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(dQ, dD)`` shaped as ``Q`` and ``D``; ``norms``: what :func:`forward_impl` returned (the Triton path's
-    only); ``views``: ``Q`` and ``D`` are the caller's tensors, to be viewed canonically (as in
-    :func:`forward_impl`)."""
+    only); ``views``: ``Q`` and ``D`` are the caller's tensors, to be viewed canonically, and ``grad`` and
+    ``argmax`` have the caller's result shape (as :func:`forward_impl` returned them)."""
     if impl == "triton":
         return _triton_path().backward(grad, Q, D, argmax, normalize, deterministic, rg, norms, views=views)
     if views is not None:
         Qc, Dc = _in_views(Q, D, views)
+        Nq, Lq, _, K, _, _ = dims(Qc, Dc, rg)
+        grad, argmax = grad.reshape(Nq, K), argmax.reshape(Nq, K, Lq)
         dQ, dD = backward_impl(grad, Qc, Dc, argmax, normalize, deterministic, impl, rg)
         return view_as_given(dQ, views.q), view_as_given(dD, views.d)
     if rg is not None:
@@ -198,13 +204,12 @@ class _MaxSimFunction(torch.autograd.Function):
     def forward(ctx, Q, D, call):
         q_mask, d_mask, normalize, impl, _deterministic, rg, views = call
         # (the caller's Q and D, saved as given: neither pass makes their canonical views on a planned call)
+        # (in the caller's shapes: neither pass makes a view of the results either)
         scores, argmax, norms = forward_impl(Q, D, q_mask, d_mask, normalize, True, impl, rg, views)
         ctx.save_for_backward(Q, D, argmax, *(norms or ()))
-        ctx.call, ctx.grid = call[2:], scores.shape  # (not the masks: the backward does not need them alive)
+        ctx.call = call[2:]  # (not the masks: the backward does not need them alive)
         # No zero-filled gradient for the (non-differentiable) argmax output: one allocation and fill fewer per step.
         ctx.set_materialize_grads(False)
-        if views is not None:
-            scores, argmax = _out_views(scores, argmax, views)
         ctx.mark_non_differentiable(argmax)
         return scores, argmax
 
@@ -214,8 +219,8 @@ class _MaxSimFunction(torch.autograd.Function):
             return None, None, None
         Q, D, argmax, *norms = ctx.saved_tensors
         normalize, impl, deterministic, rg, views = ctx.call
-        grad = grad_scores if views is None or views.out is None else grad_scores.view(ctx.grid)
-        dQ, dD = backward_impl(grad, Q, D, argmax, normalize, deterministic, impl, rg, tuple(norms) or None, views)
+        norms = tuple(norms) or None
+        dQ, dD = backward_impl(grad_scores, Q, D, argmax, normalize, deterministic, impl, rg, norms, views)
         return dQ, dD, None
 
 
@@ -256,8 +261,8 @@ def maxsim_canonical(
             Q, D = _in_views(Q, D, views)
         r = () if rg is None else tuple(rg)
         out = forward(Q, D, q_mask, d_mask, normalize, need_argmax, impl, deterministic, *r)
+        if views is not None and views.out is not None:
+            out = _out_views(out[0], out[1] if return_argmax else None, views)
     else:
         out = forward_impl(Q, D, q_mask, d_mask, normalize, need_argmax, impl, rg, views)[:2]
-    if views is not None and views.out is not None:
-        out = _out_views(out[0], out[1] if return_argmax else None, views)
     return out if return_argmax else out[0]

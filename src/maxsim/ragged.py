@@ -123,10 +123,10 @@ def maxsim_varlen(
     Returns:
         float32 scores (float64 for float64 inputs); empty sequences score 0 and get zero gradient.
     """
-    _common(Q, D, normalize, backward, return_argmax)
-    cu_q, cu_d, max_q, max_d, check = _packed_args(
-        Q, D, cu_seqlens_q, cu_seqlens_d, max_seqlen_q, max_seqlen_d, validate
-    )
+    cu_q, cu_d, max_q, max_d, check = cu_seqlens_q, cu_seqlens_d, max_seqlen_q, max_seqlen_d, validate
+    if not check_arg.packed_call(Q, D, cu_q, cu_d, None, None, max_q, max_d, normalize, backward, return_argmax, check):
+        cu_q, cu_d, max_q, max_d, check = _packed_args(Q, D, cu_q, cu_d, max_q, max_d, check)
+        _common(Q, D, normalize, backward, return_argmax)
     if max_q is None or max_d is None or check:
         max_q, max_d = _read_back(cu_q, cu_d, Q.shape[0], D.shape[0], None, max_q, max_d, check is not False)
     rg = Ragged(cu_q, cu_d, None, None, max_q, max_d)
@@ -156,14 +156,17 @@ def maxsim_pairs_varlen(
     argmax ``[P, max_seqlen_q]``. The backward groups the pairs by query and by document on the device (a sort;
     no sync) and is deterministic.
     """
-    _common(Q, D, normalize, backward, return_argmax)
-    cu_q, cu_d, max_q, max_d, check = _packed_args(
-        Q, D, cu_seqlens_q, cu_seqlens_d, max_seqlen_q, max_seqlen_d, validate
-    )
-    pq = check_arg.index_tensor("pair_q", pair_q, 1, Q.device)
-    pd = check_arg.index_tensor("pair_d", pair_d, 1, Q.device)
-    if pq.shape != pd.shape:
-        raise ValueError(f"pair_d: expected as many entries as pair_q ({pq.shape[0]}), got {pd.shape[0]}")
+    cu_q, cu_d, pq, pd = cu_seqlens_q, cu_seqlens_d, pair_q, pair_d
+    max_q, max_d, check = max_seqlen_q, max_seqlen_d, validate
+    if pq is None or not check_arg.packed_call(
+        Q, D, cu_q, cu_d, pq, pd, max_q, max_d, normalize, backward, return_argmax, check
+    ):  # (the checks in turn, for their messages)
+        cu_q, cu_d, max_q, max_d, check = _packed_args(Q, D, cu_q, cu_d, max_q, max_d, check)
+        _common(Q, D, normalize, backward, return_argmax)
+        pq = check_arg.index_tensor("pair_q", pq, 1, Q.device)
+        pd = check_arg.index_tensor("pair_d", pd, 1, Q.device)
+        if pq.shape != pd.shape:
+            raise ValueError(f"pair_d: expected as many entries as pair_q ({pq.shape[0]}), got {pd.shape[0]}")
     if max_q is None or max_d is None or check:
         max_q, max_d = _read_back(cu_q, cu_d, Q.shape[0], D.shape[0], (pq, pd), max_q, max_d, check is not False)
     rg = Ragged(cu_q, cu_d, pq, pd, max_q, max_d)

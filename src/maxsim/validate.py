@@ -111,6 +111,35 @@ def index_tensor(name: str, x: object, ndim: int, device: torch.device) -> Tenso
     return x.contiguous()
 
 
+_INDEX_SET = frozenset(INDEX_DTYPES)
+
+
+def _index_ok(x: object, device: torch.device) -> bool:
+    return isinstance(x, Tensor) and x.dtype in _INDEX_SET and x.dim() == 1 and x.device == device and x.is_contiguous()
+
+
+def packed_call(
+    Q: object, D: object, cu_q: object, cu_d: object, pair_q: object, pair_d: object, max_q: object, max_d: object,
+    normalize: object, backward: object, return_argmax: object, validate_: object,
+) -> bool:  # fmt: skip
+    """Whether a packed call (``maxsim_varlen``; ``maxsim_pairs_varlen`` where ``pair_q`` is not None) is well formed,
+    in one expression: :func:`call`'s checks of 2-D ``Q`` and ``D``, contiguous non-empty offsets and pair ids of
+    one shape (:func:`offsets`, :func:`index_tensor`), maxima and ``validate`` of their types. Where it is not, the
+    caller runs the checks in turn, for their messages (they cost ~4 µs of host time on a well-formed call)."""
+    if not (isinstance(Q, Tensor) and isinstance(D, Tensor)):
+        return False
+    dev = Q.device
+    return (
+        Q.dtype is D.dtype and Q.dtype in _FLOAT_SET and Q.dim() == 2 and D.dim() == 2 and Q.shape[1] == D.shape[1]
+        and Q.shape[1] != 0 and D.device == dev and type(normalize) is bool and type(return_argmax) is bool
+        and type(backward) is str and backward in BACKWARD_MODES and (validate_ is None or type(validate_) is bool)
+        and (max_q is None or (type(max_q) is int and max_q >= 0))
+        and (max_d is None or (type(max_d) is int and max_d >= 0))
+        and _index_ok(cu_q, dev) and cu_q.shape[0] > 0 and _index_ok(cu_d, dev) and cu_d.shape[0] > 0
+        and (pair_q is None or (_index_ok(pair_q, dev) and _index_ok(pair_d, dev) and pair_q.shape == pair_d.shape))
+    )  # fmt: skip
+
+
 def offsets(name: str, x: object, device: torch.device) -> Tensor:
     """``cu_seqlens``-style offsets: 1-D int, at least one entry (``[N + 1]``)."""
     x = index_tensor(name, x, 1, device)

@@ -10,9 +10,10 @@ are split into ``TQ``-row blocks, one program each; their partial scores are sum
 (deterministic, no atomics). A launch of a handful of long documents may split each document's tokens over programs
 too (``DOC_SPLIT``), whose row maxima :mod:`.doc_chunks` folds.
 
-Semantics (design.md §1) live here and, for chunked documents, in the fold that keeps them: masked document tokens are ``-inf`` before the max; a
-query row that is masked or sees no valid document token contributes 0 and argmax -1; ties go to the lowest index
-(strict ``>`` across tiles, ``tie_break_left`` within one); NaN propagates through the max.
+Semantics (design.md §1) live here and, for chunked documents, in the fold that keeps them: masked document tokens
+are ``-inf`` before the max; a query row that is masked or sees no valid document token contributes 0 and argmax -1;
+ties go to the lowest index (strict ``>`` across tiles, ``tie_break_left`` within one); NaN propagates through the
+max.
 """
 
 from __future__ import annotations

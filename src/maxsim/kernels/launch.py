@@ -302,6 +302,7 @@ class _ForwardPlan(NamedTuple):
     Nq: int
     K: int
     Lq: int
+    out_shape: tuple[int, ...]  # the scores' shape: [Nq, K], or the caller's (Views.out)
     n_rsplit: int
     n_dsplit: int  # chunks each document is scanned in (see DOC_SPLIT_*)
     norms_given: bool  # normalize from a pre-pass's inverse norms (see PRENORM_*)
@@ -341,8 +342,9 @@ def forward_keeping_norms(
     (``normalize=True``, see ``PRENORM_*``; else None), which a training step hands on to :func:`backward`.
 
     A pair list gives ``[1, P]`` and ``[1, P, Lq]``. ``cfg`` overrides the launch table (offline tuning only).
-    ``views``: ``Q`` and ``D`` are the caller's tensors, to be read as ``view_as_canonical`` of them (the results
-    stay canonical); a repeated call then skips making the views, since a launch needs their pointers only.
+    ``views``: ``Q`` and ``D`` are the caller's tensors, to be read as ``view_as_canonical`` of them, and the results
+    come in the caller's shape (``views.out``, ``[..., Lq]`` for the argmax: the layout of the canonical ones); a
+    repeated call then makes no view at all, since a launch needs pointers only.
     Calls reuse a plan keyed by shapes, strides, flags and maximum lengths (never values), so a repeated call
     costs its allocations and a launch of host work."""
     key = None
@@ -362,8 +364,9 @@ def forward_keeping_norms(
         Q, D = view_as_canonical(Q, views.q), view_as_canonical(D, views.d)
     Nq, Lq, Bd, K, Ld, dim = dims(Q, D, rg)
     if Nq == 0 or K == 0 or Lq == 0 or Ld == 0:
-        scores = torch.zeros((Nq, K), dtype=torch.float32, device=Q.device)
-        argmax = torch.full((Nq, K, Lq), -1, dtype=torch.int32, device=Q.device) if need_argmax else None
+        out_shape = (Nq, K) if views is None or views.out is None else views.out
+        scores = torch.zeros(out_shape, dtype=torch.float32, device=Q.device)
+        argmax = torch.full((*out_shape, Lq), -1, dtype=torch.int32, device=Q.device) if need_argmax else None
         return scores, argmax, None
     if key is not None and (Q.stride(-1) != 1 or D.stride(-1) != 1):
         key = None  # the plan would describe the contiguous copies made below, not these tensors
@@ -406,7 +409,7 @@ def forward_keeping_norms(
     inv_q_strides = _q_strides(torch.empty(Q.shape[:-1] + (1,), device="meta")) if norms_given else (0, 0)
     inv_d_strides = _d_strides(torch.empty(D.shape[:-1] + (1,), device="meta"), shared) if norms_given else (0, 0, 0)
     plan = _ForwardPlan(
-        Nq, K, Lq, n_rsplit, n_dsplit, norms_given,
+        Nq, K, Lq, (Nq, K) if views is None or views.out is None else views.out, n_rsplit, n_dsplit, norms_given,
         n_qblocks * n_rsplit * n_dsplit * cdiv(K, docs_per_prog),
         (
             Nq, K, Lq, Ld, dim,
@@ -485,13 +488,14 @@ def _run_forward(
     need_argmax: bool,
 ) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor] | None]:  # fmt: skip
     device = Q.device
-    scores = torch.empty((plan.Nq, plan.K), dtype=torch.float32, device=device)
+    # (allocated in the caller's shape, whose layout is the canonical one's: no view of the results)
+    scores = torch.empty(plan.out_shape, dtype=torch.float32, device=device)
     # No argmax tensor at all when none is asked for (the registered op substitutes an empty one).
-    argmax = torch.empty((plan.Nq, plan.K, plan.Lq), dtype=torch.int32, device=device) if need_argmax else None
+    argmax = torch.empty((*plan.out_shape, plan.Lq), dtype=torch.int32, device=device) if need_argmax else None
     n_rsplit, n_dsplit = plan.n_rsplit, plan.n_dsplit
     # (chunked documents: the fold sums every row of a query, its row blocks' included)
     separate_rows = n_rsplit > 1 and n_dsplit == 1
-    out = torch.empty((n_rsplit, plan.Nq, plan.K), dtype=torch.float32, device=device) if separate_rows else scores
+    out = torch.empty((n_rsplit, *plan.out_shape), dtype=torch.float32, device=device) if separate_rows else scores
     qm = Q if q_mask is None else q_mask.view(torch.uint8)
     dm = Q if d_mask is None else d_mask.view(torch.uint8)
     arg = scores if argmax is None else argmax
@@ -610,14 +614,24 @@ def _dq_splits(n_programs: int, K: int, device: torch.device) -> int:
     return max(1, min(want, K // DQ_SPLIT_MIN_PAIRS))
 
 
+def _grad_stride(grad: Tensor) -> int | None:
+    """The stride ``s`` at which the kernels read element ``(q, k)`` of the ``[Nq, K]`` upstream gradient, at
+    ``(q * K + k) * s`` (None: it must be made contiguous first). ``grad`` is ``[Nq, K]`` or the caller's view of it
+    without its unit axes (``Views.out``: ``[Nq]``, ``[K]`` or a scalar), whose flat order is the same."""
+    if grad.dim() == 2:
+        return grad.stride(1) if grad.stride(0) == grad.stride(1) * grad.shape[1] else None
+    return grad.stride(0) if grad.dim() == 1 else 1
+
+
 def _backward_plan(
     grad: Tensor, Q: Tensor, D: Tensor, normalize: bool, deterministic: bool, rg: Ragged | None, sg: _Segs
 ) -> _BackwardPlan:
     Nq, Lq, Bd, K, Ld, dim = dims(Q, D, rg)
     shared = Bd == 1 and not sg.pairs
     cfg = backward_config(Lq, dim, not shared and not sg.pairs, normalize)
-    grad_contiguous = grad.stride(0) != grad.stride(1) * grad.shape[1]  # kernels read grad at (q*K + k) * stride
-    grad_stride = 1 if grad_contiguous else grad.stride(1)
+    grad_stride = _grad_stride(grad)
+    grad_contiguous = grad_stride is None
+    grad_stride = 1 if grad_stride is None else grad_stride
     n_queries = sg.n_q if sg.q_kind == OFFSETS else Q.shape[0]
     n_docs = sg.n_d if sg.d_kind == OFFSETS else K
     seg_args = (sg.n_q, sg.rows_q, sg.n_d, sg.rows_d)
@@ -737,8 +751,9 @@ def backward(
 ) -> tuple[Tensor, Tensor]:
     """``(dQ like Q, dD like D)`` from the saved argmax; ``deterministic`` forbids atomics (bitwise reproducible).
     ``norms``: the inverse norms the forward computed (:func:`forward_keeping_norms`), else computed here.
-    ``views``: ``Q`` and ``D`` are the caller's tensors, read as ``view_as_canonical`` of them; the gradients come
-    back in the caller's shapes (an allocation of that shape has the canonical view's layout).
+    ``views``: ``Q`` and ``D`` are the caller's tensors, read as ``view_as_canonical`` of them, and ``grad`` and
+    ``argmax`` may have the caller's result shape (``views.out``); the gradients come back in the caller's shapes
+    (an allocation of that shape has the canonical view's layout).
 
     Calls reuse a plan keyed by shapes, strides, dtypes and flags (never values), like the forward."""
     Q, D = _last_dim_contiguous(Q), _last_dim_contiguous(D)
