@@ -207,6 +207,8 @@ def test_few_program_rules(monkeypatch):
     assert not launch._deep_pipelined(64, thin, 2048, D32)
     assert not launch._deep_pipelined(64, forward_config(64, 128, 64, False), 2048, D16)  # 64 rows
     assert not launch._deep_pipelined(64, forward_config(32, 256, 64, False), 2048, D16)  # two dim chunks
+    monkeypatch.setattr(launch, "_shared_bytes", lambda device: 99 << 10)  # (a consumer GPU's shared memory)
+    assert not launch._deep_pipelined(64, thin, 2048, D16)
 
     assert launch._doc_chunks(34, 8192, 128, dev) == (1, 0)  # more than a quarter of the multiprocessors
     assert launch._doc_chunks(33, 8192, 128, dev) == (4, 2048)  # 132 programs

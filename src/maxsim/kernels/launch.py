@@ -132,8 +132,11 @@ STREAM_MASKED_MIN_BLOCK_K = 128
 # DEEP_PIPELINE_MIN_LD tokens then take configs.deep_pipeline_config (four 32 KB tiles in flight). H100,
 # in-process (docs/performance.md v50): pairs 64 Lq32 Ld2048 inference 33.0 -> 22.0 us, training forward 41.2 ->
 # 23.1; cross 1x64 and candidates 4x16 the same; pairs 128 Ld1024 training forward 29.6 -> 22.3.
+# Only on GPUs whose programs may take DEEP_PIPELINE_MIN_SHARED bytes of shared memory (the variant takes up to
+# ~130 KB: A100 164 KB, H100 / H200 227 KB; not the ~100 KB of consumer parts, where it would not launch).
 DEEP_PIPELINE = 1
 DEEP_PIPELINE_MIN_LD = 512
+DEEP_PIPELINE_MIN_SHARED = 160 << 10
 # A launch that fills at most 1 / DOC_SPLIT_BELOW of the multiprocessors (a handful of long documents) scans each
 # document in chunks by programs of their own, enough for DOC_SPLIT_PROGRAMS_PER_SM programs a multiprocessor, each
 # chunk at least DOC_SPLIT_MIN_TILES tiles; the chunks' row maxima are folded by one launch more
@@ -264,6 +267,22 @@ def _l2_bytes(device: torch.device) -> int:
     n = _l2_sizes.get(idx)
     if n is None:
         n = _l2_sizes[idx] = torch.cuda.get_device_properties(idx).L2_cache_size
+    return n
+
+
+_shared_sizes: dict[int, int] = {}
+
+
+def _shared_bytes(device: torch.device) -> int:
+    """The shared memory one program may use (opt-in maximum); an H100's where there is no GPU (the interpreter)."""
+    if device.type != "cuda":
+        return 227 << 10
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    n = _shared_sizes.get(idx)
+    if n is None:
+        from triton.runtime import driver
+
+        n = _shared_sizes[idx] = int(driver.active.utils.get_device_properties(idx)["max_shared_mem"])
     return n
 
 
@@ -460,7 +479,9 @@ def _deep_pipelined(n_programs: int, cfg: ForwardConfig, Ld: int, D: Tensor) -> 
     """Whether a forward of ``n_programs`` programs (one per document and row block) takes
     ``deep_pipeline_config`` (see DEEP_PIPELINE)."""
     thin = cfg.BQ * cfg.TQ <= 32 and cfg.NUM_K == 1 and D.element_size() == 2
-    return bool(DEEP_PIPELINE) and thin and Ld >= DEEP_PIPELINE_MIN_LD and n_programs < _sm_count(D.device)
+    if not (DEEP_PIPELINE and thin and Ld >= DEEP_PIPELINE_MIN_LD and n_programs < _sm_count(D.device)):
+        return False
+    return _shared_bytes(D.device) >= DEEP_PIPELINE_MIN_SHARED
 
 
 def _streams(
