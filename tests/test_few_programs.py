@@ -54,7 +54,8 @@ def _lens_cu(lens, device):
 
 def _layouts(device, dtype, data, nan: bool):
     """name -> (args, call, reference call): three or four documents of up to LD tokens, with masks with holes,
-    a document whose second quarter is masked, an empty document or query where the layout has lengths."""
+    a document whose second quarter is masked, an empty document or query where the layout has lengths, and
+    tokens repeated in the first and last chunk."""
     Q = data((3, 5, 16), seed=1, dtype=dtype, device=device)
     D = data((3, LD, 16), seed=2, dtype=dtype, device=device)
     Dc = data((2, 3, LD, 16), seed=3, dtype=dtype, device=device)
@@ -73,6 +74,10 @@ def _layouts(device, dtype, data, nan: bool):
     pair_d = torch.tensor([3, 0, 3, 2, 1], dtype=torch.int32, device=device)
     q_len = torch.tensor([5, 2], dtype=torch.int32, device=device)
     d_len = torch.tensor([[LD, 0, 130], [1, LD - 1, 64]], dtype=torch.int32, device=device)
+    # Ties across chunks: each document's last 44 tokens repeat its first 44 (rows whose max lies there tie).
+    for x in (D, Dc):
+        x[..., LD - 44 :, :] = x[..., :44, :]
+    Dp[LD - 44 : LD] = Dp[:44]
     if nan:  # one valid token of a late chunk: NaN reaches the scores of its document only
         D[2, LD - 20, 3] = Dc[1, 1, LD - 30, 0] = Dp[LD + 70 + 200, 5] = float("nan")
         d_mask[2, LD - 20] = dc_mask[1, 1, LD - 30] = True
