@@ -7,6 +7,7 @@ host↔device syncs and CUDA-graph capturable.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -251,49 +252,43 @@ def _d_strides(x: Tensor, shared: bool) -> tuple[int, int, int]:
     return (0 if shared else x.stride(0)), x.stride(1), x.stride(2)
 
 
-_sm_counts: dict[int, int] = {}
 # Under the interpreter (CPU tensors): one, so that the tests of shared dense documents run persistent programs.
 _INTERPRETER_SMS = 1
+_device_values: dict[tuple[str, int], int] = {}
 
 
-_l2_sizes: dict[int, int] = {}
+def _device_value(device: torch.device, name: str, read: Callable[[int], int], off_gpu: int) -> int:
+    """``read(index)`` of a CUDA ``device``, once per device and ``name``; ``off_gpu`` where there is no GPU (the
+    interpreter)."""
+    if device.type != "cuda":
+        return off_gpu
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    n = _device_values.get((name, idx))
+    if n is None:
+        n = _device_values[name, idx] = int(read(idx))
+    return n
 
 
 def _l2_bytes(device: torch.device) -> int:
-    """The L2 cache's size (an H100's 50 MiB where there is no GPU: the interpreter)."""
-    if device.type != "cuda":
-        return 50 << 20
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    n = _l2_sizes.get(idx)
-    if n is None:
-        n = _l2_sizes[idx] = torch.cuda.get_device_properties(idx).L2_cache_size
-    return n
-
-
-_shared_sizes: dict[int, int] = {}
+    """The L2 cache's size (an H100's 50 MiB where there is no GPU)."""
+    return _device_value(device, "l2", lambda i: torch.cuda.get_device_properties(i).L2_cache_size, 50 << 20)
 
 
 def _shared_bytes(device: torch.device) -> int:
-    """The shared memory one program may use (opt-in maximum); an H100's where there is no GPU (the interpreter)."""
-    if device.type != "cuda":
-        return 227 << 10
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    n = _shared_sizes.get(idx)
-    if n is None:
+    """The shared memory one program may use (opt-in maximum; an H100's where there is no GPU)."""
+
+    def read(i: int) -> int:
         from triton.runtime import driver
 
-        n = _shared_sizes[idx] = int(driver.active.utils.get_device_properties(idx)["max_shared_mem"])
-    return n
+        return driver.active.utils.get_device_properties(i)["max_shared_mem"]
+
+    return _device_value(device, "shared", read, 227 << 10)
 
 
 def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _INTERPRETER_SMS
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    n = _sm_counts.get(idx)
-    if n is None:
-        n = _sm_counts[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return n
+    return _device_value(
+        device, "sms", lambda i: torch.cuda.get_device_properties(i).multi_processor_count, _INTERPRETER_SMS
+    )
 
 
 def _docs_per_program(base: int, K: int, slots: int, tiles: int, one_doc_gain: float = 1.0) -> int:
