@@ -159,6 +159,7 @@ def main() -> None:
         "cross 4x4 Lq8 Ld8": dense_case(4, 4, 8, 8),
         "cross 32x32 Lq32 Ld80": dense_case(32, 32, 32, 80),
         "cross 64x64 Lq23 Ld333 d96": dense_case(64, 64, 23, 333, 96),
+        "cross 1x8 Ld8192 (chunked)": dense_case(1, 8, 32, 8192),  # (8 programs: documents scanned in chunks)
         "candidates 64x32 Ld180": dense_case(64, 32, 32, 180, candidates=True),
         "pairs 512 Lq32 Ld300": pairs_case(512, 32, 300),
         "pair list 64x32 Ld180": pair_list_case(64, 32, 32, 180),
