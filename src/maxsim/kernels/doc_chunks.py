@@ -12,18 +12,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .forward import nan_max
+from .forward import chunk_tokens, nan_max
 
 
 @triton.jit(do_not_specialize=["n_pairs", "Lq", "n_chunks"])
 def combine_chunks_kernel(
-    PV, PA, OUT, ARG, n_pairs, Lq, n_chunks, LQ_BLOCK: tl.constexpr, SAVE_ARGMAX: tl.constexpr
+    ROWS, OUT, ARG, n_pairs, Lq, n_chunks, LQ_BLOCK: tl.constexpr, SAVE_ARGMAX: tl.constexpr
 ):  # fmt: skip
     """``OUT[p] += Σ_t max_c PV[c, p, t]`` over the live rows of pair ``p`` (a flattened ``(query, document)``),
     and with ``SAVE_ARGMAX`` ``ARG[p, t]``, the chunk's token ``PA[c, p, t]`` that holds the max (-1 where no chunk
-    is live). ``PV`` fp32 and ``PA`` int32 are ``[n_chunks, n_pairs, Lq]``, contiguous; a row is live in chunk ``c``
-    where ``PA[c, p, t] >= 0``. One program per pair, ``LQ_BLOCK`` rows at a time."""
+    is live). ``ROWS`` (contiguous, fp32) holds ``PV [n_chunks, n_pairs, Lq]``, then ``PA`` of that shape as int32
+    (:func:`.forward.chunk_tokens`); a row is live in chunk ``c`` where ``PA[c, p, t] >= 0``. One program per pair,
+    ``LQ_BLOCK`` rows at a time."""
     p = tl.program_id(0).to(tl.int64)
+    PV = ROWS
+    PA = chunk_tokens(ROWS, (p * 0 + n_chunks) * n_pairs * Lq)  # (int64)
     total = tl.zeros([LQ_BLOCK], dtype=tl.float32)
     for t0 in range(0, Lq, LQ_BLOCK):
         t = t0 + tl.arange(0, LQ_BLOCK)

@@ -33,6 +33,13 @@ def nan_max(a, b):
 
 
 @triton.jit
+def chunk_tokens(ROWS, n_rows):
+    """The int32 half of a chunked scan's row buffer (doc_chunks): ``n_rows`` fp32 maxima, then as many tokens. One
+    allocation of host time instead of two."""
+    return (ROWS + n_rows).to(tl.pointer_type(tl.int32), bitcast=True)
+
+
+@triton.jit
 def _argmax_combine(v1, i1, v2, i2):
     """Larger value wins; equal values go to the lower token index (as ``torch.max``)."""
     take2 = (v2 > v1) | ((v2 == v1) & (i2 < i1))
@@ -270,7 +277,7 @@ def _row_block(
     ]
 )  # fmt: skip
 def maxsim_fwd_kernel(
-    Q, D, QM, DM, QSEG, DSEG, PQ, PD, OUT, ARG, INV_Q, INV_D, PV, PA,
+    Q, D, QM, DM, QSEG, DSEG, PQ, PD, OUT, ARG, INV_Q, INV_D, ROWS,
     Nq, K, Lq, Ld, dim,
     n_qseq, n_qrows, n_dseq, n_drows,
     sq_n, sq_l,
@@ -303,9 +310,10 @@ def maxsim_fwd_kernel(
 
     ``DOC_SPLIT`` (not with ``PERSIST``): each document is scanned in ``n_dsplit`` chunks of ``chunk_len`` tokens (a
     multiple of ``BLOCK_N``) by programs of their own, for launches that would otherwise leave multiprocessors idle
-    (few long documents). A program writes its rows' maxima to ``PV [n_dsplit, Nq, K, Lq]`` (fp32) and ``PA`` (int32:
-    the token of the max, or -1 where the row saw no valid token in the chunk); ``OUT [Nq, K]`` gets 0, or NaN for
-    an out-of-range segment, to which :func:`.doc_chunks.combine_chunks_kernel` adds the rows' sum.
+    (few long documents). A program writes its rows' maxima and where they are to ``ROWS`` (see
+    :mod:`.doc_chunks`: fp32 maxima ``[n_dsplit, Nq, K, Lq]``, then their int32 tokens, -1 where the row saw no valid
+    token in the chunk); ``OUT [Nq, K]`` gets 0, or NaN for an out-of-range segment, to which
+    :func:`.doc_chunks.combine_chunks_kernel` adds the rows' sum.
 
     Every program holds one block of ``rows_per_prog <= TQ`` query rows (``rs``-th of ``n_rsplit``)."""
     BLOCK_M: tl.constexpr = BQ * TQ
@@ -426,8 +434,8 @@ def maxsim_fwd_kernel(
                 )  # fmt: skip
                 pa = tl.where(live, a + c0, -1)
             at = ((chunk * Nq + q_out.to(tl.int64)) * K + kk) * Lq + t
-            tl.store(PV + at, pv, mask=q_in & (t < r_hi))
-            tl.store(PA + at, pa, mask=q_in & (t < r_hi))
+            tl.store(ROWS + at, pv, mask=q_in & (t < r_hi))
+            tl.store(chunk_tokens(ROWS, (chunk * 0 + n_dsplit) * Nq * K * Lq) + at, pa, mask=q_in & (t < r_hi))
             # The combine adds the rows' sum to this: NaN for an out-of-range segment, as below.
             base = tl.where(q_bad_blk | d_bad, float("nan"), 0.0)
             # (one program per query block and document writes it: the first chunk of the first row block)

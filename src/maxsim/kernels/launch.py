@@ -327,7 +327,9 @@ class _ForwardPlan(NamedTuple):
     num_stages: int
     maxnreg: int
     launches: dict  # the launcher's plan cache (see Launcher)
-    combine_launches: dict  # the same, for the chunks' fold (n_dsplit > 1)
+    # The chunks' fold (n_dsplit > 1, else None): grid, the row buffer's fp32 elements, integers, constexprs.
+    combine: tuple | None
+    combine_launches: dict  # the launcher's plan cache of the fold
 
 
 _plans: dict[tuple, _ForwardPlan] = {}
@@ -420,6 +422,13 @@ def forward_keeping_norms(
         n_rsplit >= PRENORM_MIN_ROW_BLOCKS
         or (n_qblocks >= PRENORM_MIN_QUERY_BLOCKS if shared else bool(PRENORM_UNSHARED))
     )
+    combine = None
+    if n_dsplit > 1:
+        n_pairs = Nq * K
+        combine = (
+            n_pairs, 2 * n_dsplit * n_pairs * Lq, (n_pairs, Lq, n_dsplit),
+            dict(LQ_BLOCK=min(128, next_power_of_2(Lq)), SAVE_ARGMAX=need_argmax),
+        )  # fmt: skip
     inv_q_strides = _q_strides(torch.empty(Q.shape[:-1] + (1,), device="meta")) if norms_given else (0, 0)
     inv_d_strides = _d_strides(torch.empty(D.shape[:-1] + (1,), device="meta"), shared) if norms_given else (0, 0, 0)
     plan = _ForwardPlan(
@@ -446,6 +455,7 @@ def forward_keeping_norms(
         cfg.num_stages,
         cfg.maxnreg,
         {},
+        combine,
         {},
     )  # fmt: skip
     if key is not None:
@@ -516,14 +526,9 @@ def _run_forward(
     dm = Q if d_mask is None else d_mask.view(torch.uint8)
     arg = scores if argmax is None else argmax
     norms = normalize_kernels.inverse_norms(Q, D) if plan.norms_given else None
-    chunk_rows = (scores, scores)  # (unused pointers)
-    if n_dsplit > 1:
-        rows = (n_dsplit, plan.Nq, plan.K, plan.Lq)
-        chunk_rows = (
-            torch.empty(rows, dtype=torch.float32, device=device),
-            torch.empty(rows, dtype=torch.int32, device=device),
-        )
-    tensors = (Q, D, qm, dm, *segs, out, arg, *(norms or (Q, D)), *chunk_rows)  # (Q, D: unused pointers)
+    # (chunked documents: each chunk's row maxima, then their tokens, in one allocation; see doc_chunks)
+    rows = torch.empty(plan.combine[1], dtype=torch.float32, device=device) if n_dsplit > 1 else scores
+    tensors = (Q, D, qm, dm, *segs, out, arg, *(norms or (Q, D)), rows)  # (Q, D, scores: unused pointers)
     dense = q_mask is None and d_mask is None and segs[0] is segs[1] is segs[2] is segs[3] is Q
     foreign = (Q, D) if dense else (Q, D, qm, dm, *segs)
     _fwd(
@@ -538,16 +543,8 @@ def _run_forward(
         foreign=foreign,
     )
     if n_dsplit > 1:
-        _combine_chunks(
-            plan.Nq * plan.K,
-            (*chunk_rows, scores, arg),
-            (plan.Nq * plan.K, plan.Lq, n_dsplit),
-            dict(LQ_BLOCK=min(128, next_power_of_2(plan.Lq)), SAVE_ARGMAX=argmax is not None),
-            4,
-            1,
-            plan.combine_launches,
-            foreign=(),
-        )
+        grid, _n, ints, constexprs = plan.combine
+        _combine_chunks(grid, (rows, scores, arg), ints, constexprs, 4, 1, plan.combine_launches, foreign=())
     elif n_rsplit > 1:
         torch.sum(out, dim=0, out=scores)
     return scores, argmax, norms
