@@ -291,3 +291,31 @@ def test_fp32_is_not_tf32():
     s = maxsim.maxsim(inp.Q, inp.D)
     ref = maxsim.reference.maxsim(inp.Q.double(), inp.D.double())
     assert rel_err(s, ref) < 1e-5
+
+
+# ----------------------------------------------------------------------------------------------------
+# peak memory of a training step
+
+
+def test_training_peak_is_the_gradients_and_the_atomics_buffer():
+    """A fast step of a large cross product whose dQ walk is split (128 queries against 128 documents: fp32 slices of
+    Q's size, twice) peaks at the cast of dD: scores, argmax, dQ, the fp32 buffer and dD, nothing else alive (the
+    slices are freed before it)."""
+    from maxsim.kernels import launch
+
+    Q = randn((128, 23, 128), seed=1, dtype=torch.bfloat16, device=DEV).requires_grad_()
+    D = randn((128, 333, 128), seed=2, dtype=torch.bfloat16, device=DEV).requires_grad_()
+    g = upstream_grad((128, 128), seed=3, device=DEV)
+    launch._bplans.clear()
+    torch.autograd.grad(maxsim.maxsim(Q, D), (Q, D), g)
+    assert [(p.dq_splits > 1, p.dd_owned) for p in launch._bplans.values()] == [(True, False)], "not the split walk"
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    grads = torch.autograd.grad(maxsim.maxsim(Q, D), (Q, D), g)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    need = 128 * 128 * 4 + 128 * 128 * 23 * 4 + Q.numel() * 2 + D.numel() * (4 + 2)
+    assert need <= peak <= need + 2**18, f"peak {peak / 2**20:.3f} MiB, needed {need / 2**20:.3f} MiB"
+    del grads

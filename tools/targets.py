@@ -5,6 +5,7 @@ Usage: python tools/targets.py benchmarks/results/h100.json [--markdown]
 For every maxsim row: the best peer (fastest other implementation that passed, eager and compile included), the
 ratio, the fraction of the roofline floor, and whether ``time <= max(best_peer / R, floor / E)`` holds, with
 R = 1.15, E = 0.85 for inference, R = 1.5, E = 0.70 for the compute-bound inference shapes and for training.
+Training rows must also take no more peak extra memory than the best peer (``peak_mib``, measured on a GPU).
 Host-timed rows (names ending in ``-host``: the calling thread's time per call) have issue 5's absolute target of
 25 µs instead, and the small training step (cross 32×32 Lq32 Ld80) must also stay under issue 5's 0.2 ms.
 Host-bound rows (tiny shapes) move between runs and machines; the table says what this one run measured.
@@ -41,11 +42,14 @@ def targets(doc: dict) -> list[dict]:
             bound = HOST_TARGET_MS
         if (mode, name) == SMALL_STEP:
             bound = min(bound, SMALL_STEP_MS)
+        mib, best_mib = ours.get("peak_mib"), (best or {}).get("peak_mib")
+        mem_ok = mode != "train" or mib is None or best_mib is None or mib <= best_mib
         out.append({
             "mode": mode, "workload": name, "ms": ours["ms"], "best_peer": best["impl"] if best else None,
             "best_ms": best["ms"] if best else None, "ratio": best["ms"] / ours["ms"] if best else None,
             "floor_frac": floor / ours["ms"] if floor else None, "R": R, "E": E, "bound_ms": bound,
-            "met": ours["ms"] <= bound,
+            "mib": mib if mode == "train" else None, "best_mib": best_mib if mode == "train" else None,
+            "met": ours["ms"] <= bound and mem_ok, "time_met": ours["ms"] <= bound, "mem_met": mem_ok,
         })  # fmt: skip
     return out
 
@@ -60,15 +64,21 @@ def _rule(t: dict) -> str:
 def table(doc: dict, markdown: bool = False) -> str:
     """The target table of a saved bench document (plain columns, or Markdown), with the count of rows met."""
     rows = targets(doc)
-    head = ["mode", "workload", "maxsim ms", "best peer", "ratio", "% floor", "target ms (R, E)", "met"]
+    head = ["mode", "workload", "maxsim ms", "best peer", "ratio", "% floor", "target ms (R, E)", "MiB (peer's)",
+            "met"]  # fmt: skip
     lines = []
     for t in rows:
         ratio = f"{t['ratio']:.2f}x" if t["ratio"] else "-"
         frac = f"{100 * t['floor_frac']:.0f}%" if t["floor_frac"] else "-"
         peer = f"{t['best_peer']} {t['best_ms']:.4g}" if t["best_peer"] else "-"
+        mib = "-" if t["mib"] is None else f"{t['mib']:.1f}"
+        if t["mib"] is not None and t["best_mib"] is not None:
+            mib += f" ({t['best_mib']:.1f})"
+        short = [x for x, ok in (("time", t["time_met"]), ("memory", t["mem_met"])) if not ok]
+        why = f" ({', '.join(short)})" if short else ""
         lines.append([t["mode"], t["workload"], f"{t['ms']:.4g}", peer, ratio, frac,
-                      f"{t['bound_ms']:.4g} " + _rule(t),
-                      "yes" if t["met"] else "no"])  # fmt: skip
+                      f"{t['bound_ms']:.4g} " + _rule(t), mib,
+                      ("yes" if t["met"] else "no") + why])  # fmt: skip
     out = []
     if markdown:
         out.append("| " + " | ".join(head) + " |")

@@ -300,10 +300,13 @@ def make_timer(device: torch.device, warmup_ms: float, rep_ms: float) -> Callabl
 
 
 def peak_extra_mib(call: Callable[[], Any], device: torch.device) -> float | None:
-    """Peak memory one call allocates beyond what existed before it (GPU only; None on a CPU)."""
+    """Peak memory one call allocates beyond what existed before it (GPU only; None on a CPU). The allocator's cache
+    is emptied first: a cached block it hands out whole (up to 1 MiB larger than asked for) would count its slack,
+    which depends on what ran before, not on the call."""
     if device.type != "cuda":
         return None
     torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     out = call()
