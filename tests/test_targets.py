@@ -1,0 +1,49 @@
+"""tools/targets.py: issue 5's rule on a saved bench document, time and (training) peak memory against the best
+peer, the fastest other implementation that passed."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+
+from targets import table, targets  # noqa: E402
+
+
+def _row(mode, name, impl, ms, mib=None, status="ok", floor=None):
+    return {"mode": mode, "workload": name, "impl": impl, "ms": ms, "peak_mib": mib, "status": status,
+            "floor_ms": floor}  # fmt: skip
+
+
+def _doc(rows):
+    return {"meta": {"device_name": "test card", "git_commit": "abc"}, "rows": rows}
+
+
+def test_training_rows_need_time_and_memory():
+    doc = _doc([
+        _row("train", "fast-and-lean", "maxsim", 1.0, 10.0), _row("train", "fast-and-lean", "lik", 1.6, 10.0),
+        _row("train", "fast-and-fat", "maxsim", 1.0, 67.0), _row("train", "fast-and-fat", "lik", 1.6, 29.0),
+        _row("train", "fast-and-fat", "flash", 2.0, 20.0),  # (not the best peer: slower)
+        _row("train", "slow", "maxsim", 1.2, 1.0), _row("train", "slow", "flash", 1.6, 2.0),
+        _row("train", "peer-failed", "maxsim", 1.0, 50.0), _row("train", "peer-failed", "lik", 0.5, 1.0, "error"),
+        _row("train", "peer-failed", "eager", 2.0, 90.0),
+    ])  # fmt: skip
+    got = {t["workload"]: (t["met"], t["time_met"], t["mem_met"]) for t in targets(doc)}
+    assert got == {
+        "fast-and-lean": (True, True, True),
+        "fast-and-fat": (False, True, False),
+        "slow": (False, False, True),
+        "peer-failed": (True, True, True),
+    }
+    text = table(doc, markdown=True)
+    assert "| 67.0 (29.0) | no (memory) |" in text and "| no (time) |" in text
+    assert "2 of 4 maxsim rows meet their target (test card, commit abc)" in text
+
+
+def test_inference_and_cpu_rows_ignore_memory():
+    doc = _doc([
+        _row("infer", "scan", "maxsim", 1.0, 500.0), _row("infer", "scan", "lik", 1.15, 1.0),
+        _row("train", "cpu-step", "maxsim", 1.0), _row("train", "cpu-step", "eager", 1.5),
+    ])  # fmt: skip
+    assert [(t["met"], t["mib"]) for t in targets(doc)] == [(True, None), (True, None)]
