@@ -427,7 +427,7 @@ def test_roofline_floor_arithmetic():
     t = Workload("train", "cross", 2, 3, 4, 5, dim=8)
     tflops, tbytes, tfloor = roofline_floor(t, 2, roof)
     assert tflops == flops + 4 * 24 * 8  # gathers: one multiply-add per element for dQ and for dD
-    extra = 2 * 4 * 24 + 4 * 6 + 2 * 24 * 8 * 2 + (2 * 4 + 3 * 5) * 8 * 2  # argmax, grad_out, gathers, grads
+    extra = 2 * 2 * 24 + 4 * 6 + 2 * 24 * 8 * 2 + (2 * 4 + 3 * 5) * 8 * 2  # int16 argmax, grad_out, gathers, grads
     assert tbytes == nbytes + extra
     assert tfloor == pytest.approx(max(tflops / 1e15, tbytes / 1e12) * 1e3)
     # compute-bound corpus scan: ~5.6 ms on an H200 (design.md §7: 790 TF/s, 4.3 TB/s)

@@ -34,7 +34,7 @@ from maxsim.layout import Ragged
 
 TARGET = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 232448  # bytes of shared memory a program may use on sm_90 (H100, H200)
-_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
+_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32", torch.int16: "i16",
           torch.int64: "i64", torch.uint8: "u8"}  # fmt: skip
 SASS = "--sass" in sys.argv
 REGS = "--regs" in sys.argv or SASS

@@ -2,7 +2,8 @@
 
 Each variant is a set of ``NAME=VALUE`` assignments; the bench's workloads (and tools/offmatrix.py's) run under
 every variant in turn (plans cleared at each switch), 7 rounds by default, ``triton.testing.do_bench`` with its L2
-flush, and a per-kernel GPU profile of each variant follows. Host-bound rows move by 2x between calls on the lent
+flush, then each variant's peak extra memory (the bench's measure) and a per-kernel
+GPU profile. Host-bound rows move by 2x between calls on the lent
 machines: only variants timed side by side in one process are compared.
 
 Usage (on the GPU):
@@ -22,23 +23,24 @@ from probe_common import kernel_table
 from triton.testing import do_bench
 
 import maxsim
+from maxsim import layout
 from maxsim.bench.peers import MaxsimImpl
-from maxsim.bench.runner import make_call
+from maxsim.bench.runner import make_call, peak_extra_mib
 from maxsim.bench.workloads import RAGGED_LAYOUTS, WORKLOADS, make_inputs, seed_of, select
 from maxsim.kernels import configs, launch
 
-MODULES = {"launch": launch, "configs": configs}
+MODULES = {"launch": launch, "configs": configs, "layout": layout}
 
 
 def _owner(name: str) -> tuple[object, str]:
-    """``configs.X`` -> (the configs module, ``X``); a bare name is ``launch``'s."""
+    """``configs.X`` / ``layout.X`` -> (that module, ``X``); a bare name is ``launch``'s."""
     module, _, attr = name.rpartition(".")
     return MODULES[module or "launch"], attr
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, int]]:
     """``label:NAME=VALUE,NAME=VALUE`` -> ``(label, {NAME: int(VALUE)})``; ``NAME`` is a setting of ``launch`` or,
-    written ``configs.NAME``, of the launch table."""
+    written ``configs.NAME``, of the launch table (``layout.NAME``: of maxsim.layout)."""
     label, _, assigns = text.partition(":")
     settings = {}
     for a in filter(None, assigns.split(",")):
@@ -91,8 +93,11 @@ def main() -> None:
         base = statistics.median(next(iter(times.values())))
         for label, t in times.items():
             med = statistics.median(t)
+            apply(variants[label], defaults)
+            call()  # (compiled and planned before the memory is read)
+            mib = peak_extra_mib(call, dev)
             print(f"{args.mode:5s} {w.name:45s} {label:12s} {med:8.1f} us  x{med / base:5.2f} of the first  "
-                  f"(min {min(t):7.1f})", flush=True)  # fmt: skip
+                  f"(min {min(t):7.1f})  peak {mib:6.2f} MiB", flush=True)  # fmt: skip
         if not args.no_profile:
             for label, settings in variants.items():
                 apply(settings, defaults)

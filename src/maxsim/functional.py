@@ -1,7 +1,8 @@
 """Public functions: validate, describe the layout, call the registered op.
 
 Every function returns float32 scores (float64 for float64 inputs) and supports autograd; gradients come back in
-the inputs' dtype. The forward saves only an int32 argmax per query token and pair for the backward.
+the inputs' dtype. The forward saves only the argmax per query token and pair for the backward (int16 for documents
+of up to 32768 tokens).
 """
 
 from __future__ import annotations

@@ -25,6 +25,17 @@ def accum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+ARGMAX_INT16_MAX_LD = 1 << 15  # documents of at most this many tokens save their argmax as int16
+
+
+def argmax_dtype(Ld: int) -> torch.dtype:
+    """The dtype the forward saves the argmax in for the backward: int16 when every document token index fits
+    (``Ld`` at most ARGMAX_INT16_MAX_LD; -1 = none), else int32. Half the bytes of int32: the saved argmax is most of
+    what a training step keeps between its forward and backward, and the backward's peak memory holds it beside the
+    gradients. The public functions return it as int32."""
+    return torch.int16 if Ld <= ARGMAX_INT16_MAX_LD else torch.int32
+
+
 class Views(NamedTuple):
     """How a caller's ``Q`` and ``D`` are seen in canonical form: the unit axes to insert into each (in order) to get
     ``[Nq, Lq, dim]`` and ``[Bd, K, Ld, dim]``, and the shape the ``[Nq, K]`` result is viewed as, without the axes

@@ -2,7 +2,8 @@
 
 Both ops take the canonical layout (:mod:`maxsim.layout`) and an ``impl`` string (``"triton"`` or ``"torch"``)
 chosen in Python beforehand, so ``torch.compile(fullgraph=True)`` sees one opaque call on every device. Autograd
-saves the int32 argmax only (never the similarity tensor).
+saves the argmax only (never the similarity tensor), as int16 where the documents allow it (see
+:func:`maxsim.layout.argmax_dtype`); the public functions return it as int32.
 
 Eager calls skip the dispatcher: :func:`maxsim_canonical` runs the same implementation functions through a plain
 ``autograd.Function`` (the custom-op machinery costs ~100 µs of host time per call, more than a small training step's
@@ -15,7 +16,7 @@ import torch
 from torch import Tensor
 
 from . import cpu, cpu_ragged
-from .layout import Ragged, Views, accum_dtype, dims, view_as_canonical, view_as_given
+from .layout import Ragged, Views, accum_dtype, argmax_dtype, dims, view_as_canonical, view_as_given
 
 _launch = None
 
@@ -59,6 +60,8 @@ def forward_impl(
         scores, argmax = cpu_ragged.forward(Q, D, normalize, need_argmax, rg)
     else:
         scores, argmax = cpu.forward(Q, D, q_mask, d_mask, normalize, need_argmax)
+    if need_argmax:  # (the PyTorch paths compute it as int32; saved like the Triton path's)
+        argmax = argmax.to(argmax_dtype(dims(Q, D, rg)[4]))
     if views is not None:
         scores, argmax = _out_views(scores, argmax, views)
     return scores, argmax, None
@@ -87,6 +90,7 @@ def backward_impl(
         grad, argmax = grad.reshape(Nq, K), argmax.reshape(Nq, K, Lq)
         dQ, dD = backward_impl(grad, Qc, Dc, argmax, normalize, deterministic, impl, rg)
         return view_as_given(dQ, views.q), view_as_given(dD, views.d)
+    argmax = argmax.to(torch.int32)  # (what the PyTorch paths index with; saved as argmax_dtype)
     if rg is not None:
         return cpu_ragged.backward(grad, Q, D, argmax, normalize, deterministic, rg)
     return cpu.backward(grad, Q, D, argmax, normalize, deterministic)
@@ -109,7 +113,8 @@ def forward(
     max_q: int = 0,
     max_d: int = 0,
 ) -> tuple[Tensor, Tensor]:
-    """Scores ``[Nq, K]`` (fp32; fp64 for fp64 inputs) and argmax ``[Nq, K, Lq]`` int32 (``[0]`` if not asked).
+    """Scores ``[Nq, K]`` (fp32; fp64 for fp64 inputs) and argmax ``[Nq, K, Lq]`` in ``argmax_dtype(Ld)`` (int32
+    ``[0]`` if not asked).
 
     ``Q [Nq, Lq, dim]``, ``D [Bd, K, Ld, dim]`` (``Bd`` = 1 or ``Nq``), ``q_mask [Nq, Lq]``, ``d_mask [Bd, K, Ld]``.
     Ragged layouts (:class:`maxsim.layout.Ragged`): ``q_seg``/``d_seg`` offsets for packed ``[rows, dim]`` tokens
@@ -126,9 +131,9 @@ def _forward_fake(
     Q, D, q_mask, d_mask, normalize, need_argmax, impl, deterministic=False, q_seg=None, d_seg=None, pair_q=None,
     pair_d=None, max_q=0, max_d=0,
 ):  # fmt: skip
-    Nq, Lq, _, K, _, _ = dims(Q, D, ragged(q_seg, d_seg, pair_q, pair_d, max_q, max_d))
+    Nq, Lq, _, K, Ld, _ = dims(Q, D, ragged(q_seg, d_seg, pair_q, pair_d, max_q, max_d))
     scores = Q.new_empty((Nq, K), dtype=accum_dtype(Q.dtype))
-    argmax = Q.new_empty((Nq, K, Lq) if need_argmax else (0,), dtype=torch.int32)
+    argmax = Q.new_empty((Nq, K, Lq), dtype=argmax_dtype(Ld)) if need_argmax else Q.new_empty((0,), dtype=torch.int32)
     return scores, argmax
 
 
@@ -254,7 +259,7 @@ def maxsim_canonical(
     compiling = torch.compiler.is_compiling()
     if need_grad and not compiling:
         out = _MaxSimFunction.apply(Q, D, (q_mask, d_mask, normalize, impl, deterministic, rg, views))
-        return out if return_argmax else out[0]
+        return (out[0], out[1].to(torch.int32)) if return_argmax else out[0]
     need_argmax = need_grad or return_argmax
     if compiling:
         if views is not None:
@@ -265,4 +270,4 @@ def maxsim_canonical(
             out = _out_views(out[0], out[1] if return_argmax else None, views)
     else:
         out = forward_impl(Q, D, q_mask, d_mask, normalize, need_argmax, impl, rg, views)[:2]
-    return out if return_argmax else out[0]
+    return (out[0], out[1].to(torch.int32)) if return_argmax else out[0]

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..layout import argmax_dtype
 from . import ragged
 from .peers import OURS, Impl, free_memory
 from .ragged import Operands
@@ -185,9 +186,10 @@ def roofline_floor(w: Workload, itemsize: int, roof: Roofline) -> tuple[float, f
       lower bound, and this count reproduces the training floors of design.md §7 (e.g. ~0.05 ms for the
       64×64 Lq32 Ld1024 step on an H200). Counting the backward as another forward would double the
       compute-bound training floors;
-    * bytes: the int32 argmax written by the forward and read by the backward (2 × 4 B per pair and query
-      token), the fp32 upstream gradient read (4 B per pair), the gather of ``d_{a_i}`` for ``dQ`` and of
-      ``q_i`` for ``dD`` once per pair and query token (2 × dim × itemsize each), and ``dQ``, ``dD`` written
+    * bytes: the argmax written by the forward and read by the backward (2 × 2 B per pair and query token: int16,
+      as maxsim saves it for documents of up to 32768 tokens; 2 × 4 B beyond), the fp32 upstream gradient read
+      (4 B per pair), the gather of ``d_{a_i}`` for ``dQ`` and of ``q_i`` for ``dD`` once per pair and query token
+      (2 × dim × itemsize each), and ``dQ``, ``dD`` written
       once in the input dtype (distinct tokens × dim × itemsize).
 
     Ragged workloads count their real lengths (Σ over pairs of Lq·Ld, tokens of the documents some pair uses):
@@ -198,7 +200,7 @@ def roofline_floor(w: Workload, itemsize: int, roof: Roofline) -> tuple[float, f
     nbytes = float(tokens * w.dim * itemsize + 4 * w.n_pairs())
     if w.mode == "train":
         flops += 4.0 * w.pair_rows() * w.dim
-        nbytes += 2 * 4 * w.pair_rows() + 4 * w.n_pairs()
+        nbytes += 2 * argmax_dtype(w.ld).itemsize * w.pair_rows() + 4 * w.n_pairs()
         nbytes += 2 * w.pair_rows() * w.dim * itemsize
         nbytes += tokens * w.dim * itemsize
     if roof.bandwidth is None or roof.matmul_rate is None:

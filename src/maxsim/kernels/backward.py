@@ -1,4 +1,5 @@
-"""The backward kernels: gradients from the saved argmax alone (``[Nq, K, Lq]`` int32, -1 = no contribution).
+"""The backward kernels: gradients from the saved argmax alone (``[Nq, K, Lq]`` int16 or int32, -1 = no
+contribution; read as int32).
 
 With ``a = argmax[q, k, t]`` and ``g = grad[q, k]`` (read as ``G[(q * K + k) * sg]``: a contiguous grid, ``sg = 1``,
 or the expanded scalar of a ``.sum()`` loss, ``sg = 0``, without a copy):
@@ -72,7 +73,7 @@ def _dq_add(
         D, DSEG, b, doc, K, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, D_KIND
     )
     # (tl.where, not `t_ok & live`: the interpreter gives `&` of a block and a scalar a non-boolean dtype)
-    a = tl.load(ARG + p * Lq + t, mask=tl.where(live, t_ok, False), other=-1)
+    a = tl.load(ARG + p * Lq + t, mask=tl.where(live, t_ok, False), other=-1).to(tl.int32)
     hit = a >= 0
     w = tl.where(live, tl.load(G + p * sg), 0.0) + tl.zeros([BT], dtype=tl.float32)  # (p is a real pair)
     if NORMALIZE:
@@ -179,6 +180,7 @@ def _pair_members(pair, K, PQ, PD, PAIR_LIST: tl.constexpr, SHARED_DOCS: tl.cons
 @triton.jit(
     do_not_specialize=[
         "Nq", "K", "Lq", "Ld", "n_qseq", "n_qrows", "n_dseq", "n_drows", "sqs", "sds_b", "sds_k", "sg", "n_tb",
+        "k_lo", "K_c",
     ]
 )  # fmt: skip
 def maxsim_bwd_scatter_kernel(
@@ -188,40 +190,45 @@ def maxsim_bwd_scatter_kernel(
     sq_n, sq_l,
     sd_b, sd_k, sd_l,
     sqs, sds_b, sds_k, sg,
-    n_tb,
+    n_tb, k_lo, K_c,
     BT: tl.constexpr, DIM_P: tl.constexpr,
     Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr, SHARED_DOCS: tl.constexpr,
     TO_Q: tl.constexpr, NORMALIZE: tl.constexpr,
 ):  # fmt: skip
     """One program per (pair, query-token block), fp32 atomics. ``TO_Q``: read document rows ``DT[a]``, add into
     ``QT[t]`` (dQ, used for pair lists); else read query rows ``QT[t]``, add into ``DT[a]`` (dD). ``INV`` holds the
-    inverse norms of the side that is read."""
+    inverse norms of the side that is read. Documents ``[k_lo, k_lo + K_c)`` of a cross product only (all of them:
+    ``k_lo = 0``, ``K_c = K``), added into ``DT``'s documents ``[0, K_c)``: the dD of a large cross product is summed
+    a chunk of documents at a time, in an fp32 buffer of the chunk's size."""
     _scatter_program(
         tl.program_id(0), G, ARG, QT, DT, INV, QSEG, DSEG, PQ, PD, K, Lq, Ld, dim, n_qseq, n_qrows, n_dseq, n_drows,
-        sq_n, sq_l, sd_b, sd_k, sd_l, sqs, sds_b, sds_k, sg, n_tb, BT, DIM_P, Q_KIND, D_KIND, PAIR_LIST, SHARED_DOCS,
-        TO_Q, NORMALIZE,
+        sq_n, sq_l, sd_b, sd_k, sd_l, sqs, sds_b, sds_k, sg, n_tb, k_lo, K_c, BT, DIM_P, Q_KIND, D_KIND, PAIR_LIST,
+        SHARED_DOCS, TO_Q, NORMALIZE,
     )  # fmt: skip
 
 
 @triton.jit
 def _scatter_program(
     pid, G, ARG, QT, DT, INV, QSEG, DSEG, PQ, PD, K, Lq, Ld, dim, n_qseq, n_qrows, n_dseq, n_drows,
-    sq_n, sq_l, sd_b, sd_k, sd_l, sqs, sds_b, sds_k, sg, n_tb,
+    sq_n, sq_l, sd_b, sd_k, sd_l, sqs, sds_b, sds_k, sg, n_tb, k_lo, K_c,
     BT: tl.constexpr, DIM_P: tl.constexpr, Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr,
     SHARED_DOCS: tl.constexpr, TO_Q: tl.constexpr, NORMALIZE: tl.constexpr,
 ):  # fmt: skip
-    """Program ``pid`` of :func:`maxsim_bwd_scatter_kernel` (also run inside :func:`maxsim_bwd_kernel`)."""
-    pair = (pid // n_tb).to(tl.int64)
+    """Program ``pid`` of :func:`maxsim_bwd_scatter_kernel` (also run inside :func:`maxsim_bwd_kernel`, with
+    ``k_lo = 0``, ``K_c = K``)."""
+    pair_c = (pid // n_tb).to(tl.int64)
+    pair = (pair_c // K_c) * K + k_lo + pair_c % K_c
     t = (pid % n_tb) * BT + tl.arange(0, BT)
     q, doc, b = _pair_members(pair, K, PQ, PD, PAIR_LIST, SHARED_DOCS)
     q_base, q_tok0, q_len, _q_bad = query_segment(QT, QSEG, q, q >= 0, Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, Q_KIND)
     d_base, d_tok0, _d_len, _d_bad = doc_segment(
         DT, DSEG, b, doc, K, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, D_KIND
     )
+    d_base -= k_lo * sd_k  # (the chunk's buffer)
     t_ok = t < q_len
     kd = tl.arange(0, DIM_P)
     kd_ok = kd < dim
-    a = tl.load(ARG + pair * Lq + t, mask=t_ok, other=-1)
+    a = tl.load(ARG + pair * Lq + t, mask=t_ok, other=-1).to(tl.int32)
     hit = a >= 0
     w = tl.load(G + pair * sg) + tl.zeros([BT], dtype=tl.float32)
     if NORMALIZE:
@@ -261,7 +268,7 @@ def _dd_load(
     q_base, q_tok0, q_len, _q_bad = query_segment(Q, QSEG, q, q >= 0, Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, Q_KIND)
     t = t0 + tl.arange(0, TQ)
     t_ok = t < q_len
-    a = tl.load(ARG + p * Lq + t, mask=t_ok, other=-1)
+    a = tl.load(ARG + p * Lq + t, mask=t_ok, other=-1).to(tl.int32)
     # Unchosen tokens are not loaded: a masked query token may hold NaN, and 0 * NaN is NaN in the MMA.
     qt = tl.load(q_base + t[:, None] * sq_l + kd[None, :], mask=(a >= 0)[:, None] & kd_ok[None, :], other=0.0)
     w = tl.load(G + p * sg)
@@ -504,7 +511,7 @@ def _dd_program(
 @triton.jit(
     do_not_specialize=[
         "n_queries", "Nq", "K", "K_dd", "P", "Lq", "Ld", "n_qseq", "n_qrows", "n_dseq", "n_drows", "sqs", "sds_b",
-        "sds_k", "sg", "n_tb", "n_jb", "n_kb", "n_dq", "n_ks", "ks_len", "sdq_s",
+        "sds_k", "sg", "n_tb", "n_jb", "n_kb", "n_dq", "n_ks", "ks_len", "sdq_s", "sc_lo", "sc_n",
     ]
 )  # fmt: skip
 def maxsim_bwd_kernel(
@@ -516,7 +523,7 @@ def maxsim_bwd_kernel(
     sdq_n, sdq_l,
     sgd_b, sgd_k, sgd_l,
     sqs, sds_b, sds_k, sg,
-    n_tb, n_jb, n_kb, n_dq, n_ks, ks_len, sdq_s,
+    n_tb, n_jb, n_kb, n_dq, n_ks, ks_len, sdq_s, sc_lo, sc_n,
     BT: tl.constexpr, DIM_P: tl.constexpr, UNROLL: tl.constexpr, TQ: tl.constexpr, BN: tl.constexpr,
     BLOCK_K: tl.constexpr,
     Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr, SHARED_DOCS: tl.constexpr,
@@ -553,9 +560,10 @@ def maxsim_bwd_kernel(
                 sgd_b, sgd_k, sgd_l, sqs, sds_b, sds_k, sg, n_jb, n_kb, TQ, BN, BLOCK_K, Q_KIND, D_KIND, PAIR_LIST,
                 SHARED_DOCS, NORMALIZE, DOT_PRECISION, UPCAST, SCAN_D, DOC_WALK, PROJECT_D,
             )  # fmt: skip
-        if DD_SCATTER:  # dD by fp32 atomics into GD (zeroed), its programs running beside the gather's
+        if DD_SCATTER:  # dD by fp32 atomics into GD (zeroed), beside the gather's programs (documents
+            # [sc_lo, sc_lo + sc_n): all, or a chunked dD's first chunk)
             _scatter_program(
                 pid - n_dq, G, ARG, Q, GD, INV_Q, QSEG, DSEG, PQ, PD, K, Lq, Ld, dim, n_qseq, n_qrows, n_dseq,
-                n_drows, sq_n, sq_l, sgd_b, sgd_k, sgd_l, sqs, sds_b, sds_k, sg, n_tb, BT, DIM_P, Q_KIND, D_KIND,
-                PAIR_LIST, SHARED_DOCS, False, NORMALIZE,
+                n_drows, sq_n, sq_l, sgd_b, sgd_k, sgd_l, sqs, sds_b, sds_k, sg, n_tb, sc_lo, sc_n, BT, DIM_P, Q_KIND,
+                D_KIND, PAIR_LIST, SHARED_DOCS, False, NORMALIZE,
             )  # fmt: skip

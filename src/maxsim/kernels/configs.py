@@ -141,6 +141,8 @@ def deep_pipeline_config(cfg: ForwardConfig) -> ForwardConfig:
 
 
 CANDIDATE_OWNER_BLOCK_K = 64  # dims per dD owner program of a candidate document (see backward_config)
+OWNER_BLOCK_N = 64  # document tokens per dD owner program (see backward_config)
+BACKWARD_NUM_WARPS = 4
 
 
 @lru_cache(maxsize=256)
@@ -160,4 +162,4 @@ def backward_config(Lq: int, dim: int, candidates: bool = False, normalize: bool
     # pair list's owners would scan its pair ids twice as often. With normalize, whole rows let the owner apply the
     # chain rule itself instead of writing an fp32 buffer for a pass afterwards.
     block_k = min(dim_p, CANDIDATE_OWNER_BLOCK_K if candidates and not normalize else 128)
-    return BackwardConfig(bt, dim_p, tq, 64, block_k, 4)
+    return BackwardConfig(bt, dim_p, tq, OWNER_BLOCK_N, block_k, BACKWARD_NUM_WARPS)

@@ -36,7 +36,7 @@ def link_keys_kernel(ARG, KEYS, n_links, K, Lq, Ld, BL: tl.constexpr):
     """``KEYS[l] = k * Ld + argmax[l]`` for link ``l`` of document ``k``, ``-1`` where the token chose nothing."""
     link = tl.program_id(0).to(tl.int64) * BL + tl.arange(0, BL)
     ok = link < n_links
-    a = tl.load(ARG + link, mask=ok, other=-1)
+    a = tl.load(ARG + link, mask=ok, other=-1).to(tl.int32)
     doc = (link // Lq) % K
     tl.store(KEYS + link, tl.where(a >= 0, doc * Ld + a, -1).to(tl.int32), mask=ok)
 

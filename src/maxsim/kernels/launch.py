@@ -13,9 +13,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..layout import Ragged, Views, dims, view_as_canonical
+from ..layout import Ragged, Views, argmax_dtype, dims, view_as_canonical
 from . import csr as csr_kernel
-from . import dd_gather, doc_chunks, slices
+from . import dd_chunks, dd_gather, doc_chunks, slices
 from . import normalize as normalize_kernels
 from .backward import maxsim_bwd_kernel, maxsim_bwd_scatter_kernel
 from .configs import (
@@ -37,6 +37,7 @@ _csr = Launcher(csr_kernel.csr_count_kernel)
 _link_keys = Launcher(dd_gather.link_keys_kernel)
 _dd_gather = Launcher(dd_gather.dd_gather_kernel)
 _sum_slices = Launcher(slices.sum_slices_kernel)
+_cast_clear = Launcher(dd_chunks.cast_clear_kernel)
 _combine_chunks = Launcher(doc_chunks.combine_chunks_kernel)
 
 DENSE, OFFSETS, LENGTHS = 0, 1, 2  # segment kinds, as in kernels/segments.py
@@ -68,6 +69,16 @@ SORTED_DD_WARPS = 1
 # H100, backward GPU time (gather + atomics): 256x256 Ld300 484 -> 424 us, 32x32 Lq1024 Ld1024 220 -> 204 us,
 # off-matrix dim 96 41 -> 34 us; training steps 0.95x, 0.98x, 0.94x, and 64x64 Ld1024 (host-bound) 0.87x.
 FUSED_SCATTER = 1
+# The fp32 buffer the fast cross product's dD atomics add into holds at most SCATTER_BUFFER_MAX_BYTES: beyond, dD is
+# summed a chunk of documents at a time, in a buffer of SCATTER_CHUNK_BYTES (a launch of atomics and a cast into dD
+# per chunk, the first chunk's atomics in the dQ gather's launch), each chunk of at least SCATTER_CHUNK_MIN_LINKS
+# links (query tokens x documents) to amortize its two launches. A large step's peak memory is then its gradients
+# and saved argmax, not an fp32 copy of dD on top (twice dD's size). The chunks cost GPU time: most of them run
+# without the gather beside them. H200, in-process, training step 256x256 Lq32 Ld300 (37.5 MiB buffer): 0.89 ->
+# 1.05 ms with 3 MiB chunks, 1.00 with 6 MiB, 0.98 with 12 MiB; peak 67.0 -> 31.9 / 34.9 / 41.0 MiB (int32 argmax).
+SCATTER_BUFFER_MAX_BYTES = 32 << 20
+SCATTER_CHUNK_BYTES = 3 << 20
+SCATTER_CHUNK_MIN_LINKS = 1 << 17
 # A dQ gather of few programs over many pairs each (few queries against many documents or candidates: cross 1x1000
 # Lq64 Ld300 trains in ~1 ms, nearly all of it 4 programs walking 1000 documents) splits each query's walk into
 # slices of at least DQ_SPLIT_MIN_PAIRS pairs, enough of them for DQ_SPLIT_PROGRAMS_PER_SM programs a multiprocessor,
@@ -317,6 +328,7 @@ class _ForwardPlan(NamedTuple):
     K: int
     Lq: int
     out_shape: tuple[int, ...]  # the scores' shape: [Nq, K], or the caller's (Views.out)
+    argmax_dtype: torch.dtype
     n_rsplit: int
     n_dsplit: int  # chunks each document is scanned in (see DOC_SPLIT_*)
     norms_given: bool  # normalize from a pre-pass's inverse norms (see PRENORM_*)
@@ -353,7 +365,8 @@ def forward_keeping_norms(
     cfg: ForwardConfig | None = None,
     views: Views | None = None,
 ) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor] | None]:
-    """Scores ``[Nq, K]`` fp32, argmax ``[Nq, K, Lq]`` int32 (None unless ``need_argmax``) and the inverse norms
+    """Scores ``[Nq, K]`` fp32, argmax ``[Nq, K, Lq]`` (:func:`~maxsim.layout.argmax_dtype`; None unless
+    ``need_argmax``) and the inverse norms
     ``(inv_q, inv_d)`` (fp32, the tokens' shapes without ``dim``) where the forward computed them in a pre-pass
     (``normalize=True``, see ``PRENORM_*``; else None), which a training step hands on to :func:`backward`.
 
@@ -382,7 +395,7 @@ def forward_keeping_norms(
     if Nq == 0 or K == 0 or Lq == 0 or Ld == 0:
         out_shape = (Nq, K) if views is None or views.out is None else views.out
         scores = torch.zeros(out_shape, dtype=torch.float32, device=Q.device)
-        argmax = torch.full((*out_shape, Lq), -1, dtype=torch.int32, device=Q.device) if need_argmax else None
+        argmax = torch.full((*out_shape, Lq), -1, dtype=argmax_dtype(Ld), device=Q.device) if need_argmax else None
         return scores, argmax, None
     if key is not None and (Q.stride(-1) != 1 or D.stride(-1) != 1):
         key = None  # the plan would describe the contiguous copies made below, not these tensors
@@ -432,7 +445,8 @@ def forward_keeping_norms(
     inv_q_strides = _q_strides(torch.empty(Q.shape[:-1] + (1,), device="meta")) if norms_given else (0, 0)
     inv_d_strides = _d_strides(torch.empty(D.shape[:-1] + (1,), device="meta"), shared) if norms_given else (0, 0, 0)
     plan = _ForwardPlan(
-        Nq, K, Lq, (Nq, K) if views is None or views.out is None else views.out, n_rsplit, n_dsplit, norms_given,
+        Nq, K, Lq, (Nq, K) if views is None or views.out is None else views.out, argmax_dtype(Ld), n_rsplit, n_dsplit,
+        norms_given,
         n_qblocks * n_rsplit * n_dsplit * cdiv(K, docs_per_prog),
         (
             Nq, K, Lq, Ld, dim,
@@ -517,7 +531,7 @@ def _run_forward(
     # (allocated in the caller's shape, whose layout is the canonical one's: no view of the results)
     scores = torch.empty(plan.out_shape, dtype=torch.float32, device=device)
     # No argmax tensor at all when none is asked for (the registered op substitutes an empty one).
-    argmax = torch.empty((*plan.out_shape, plan.Lq), dtype=torch.int32, device=device) if need_argmax else None
+    argmax = torch.empty((*plan.out_shape, plan.Lq), dtype=plan.argmax_dtype, device=device) if need_argmax else None
     n_rsplit, n_dsplit = plan.n_rsplit, plan.n_dsplit
     # (chunked documents: the fold sums every row of a query, its row blocks' included)
     separate_rows = n_rsplit > 1 and n_dsplit == 1
@@ -594,6 +608,10 @@ class _BackwardPlan(NamedTuple):
     main: tuple  # (grid, ints, constexprs) of the maxsim_bwd_kernel launch: the dQ gather and/or the owned dD
     dq_sc: tuple | None  # the scatter launches (dQ of a long pair list, dD of a large fast cross product)
     dd_sc: tuple | None  # (None with the owner, or with the atomics in the main launch: FUSED_SCATTER)
+    dd_chunks: tuple  # chunks of the atomics (see _dd_chunks; empty: all at once)
+    dd_tail: int  # documents of the chunks' own buffer (0: none)
+    fused_sc: bool  # the atomics (of the first chunk) run in the main launch
+    chunk_launches: list  # the launcher's plan caches of each chunk's (scatter, cast) launches
     direct_d: bool  # dD comes out in D's dtype without a cast
     dd_sorted: tuple | None  # (n_links, K, Lq, Ld, ints, constexprs, warps) of the sorted gather (dd_gather.py)
     project_q: bool  # normalize: the gather chains dQ through Q's normalization (else a launch after)
@@ -658,7 +676,7 @@ def _backward_plan(
     def scatter(to_q: bool, q_strides: tuple, d_strides: tuple) -> tuple:
         return (
             n_pairs * n_tb,
-            (Nq, K, Lq, Ld, dim, *seg_args, *q_strides, *d_strides, *seg_strides, n_tb),
+            (Nq, K, Lq, Ld, dim, *seg_args, *q_strides, *d_strides, *seg_strides, n_tb, 0, K),
             dict(BT=cfg.BT, DIM_P=cfg.DIM_P, **kinds, PAIR_LIST=sg.pairs, SHARED_DOCS=shared, TO_Q=to_q,
                  NORMALIZE=normalize),
         )  # fmt: skip
@@ -706,11 +724,19 @@ def _backward_plan(
     project_q = normalize and n_dq > 0 and dq_splits == 1
     project_d = normalize and n_dd > 0 and n_kb == 1
     direct_d = (not normalize and (dd_owned or D.dtype == torch.float32)) or project_d or sorted_dd
+    # (chunks: a dense cross product's buffer, in D's documents; with normalize the projection reads the whole buffer)
+    doc_bytes = Ld * dim * 4
+    dd_chunks, dd_tail = (), 0
+    chunkable = shared and not dd_owned and not sorted_dd and not normalize and D.element_size() == 2
+    if chunkable and K * doc_bytes > SCATTER_BUFFER_MAX_BYTES and sg.d_kind != OFFSETS:
+        docs = max(1, SCATTER_CHUNK_BYTES // doc_bytes, cdiv(SCATTER_CHUNK_MIN_LINKS, Nq * Lq))
+        dd_chunks, dd_tail = _dd_chunks(K, docs) if docs < K else ((), 0)
     fused_sc = not dd_owned and not sorted_dd and bool(FUSED_SCATTER)
-    n_dsc = n_pairs * n_tb if fused_sc else 0
+    sc_lo, sc_n = dd_chunks[0][:2] if dd_chunks else (0, K)  # (the main launch's atomics: all, or the first chunk)
+    n_dsc = Nq * sc_n * n_tb if fused_sc else 0
     dd_sc = (
         None
-        if dd_owned or fused_sc or sorted_dd
+        if dd_owned or (fused_sc and not dd_chunks) or sorted_dd
         else scatter(False, _q_strides(Q), _d_strides(torch.empty(D.shape, device="meta"), shared))
     )
     dd_sorted = None
@@ -737,7 +763,7 @@ def _backward_plan(
     unroll = FUSED_DQ_UNROLL if n_dd else DQ_UNROLL
     main = (
         n_dq + n_dd + n_dsc,
-        (*ints, n_dq, dq_splits, ks_len, Q.numel()),
+        (*ints, n_dq, dq_splits, ks_len, Q.numel(), sc_lo, sc_n),
         dict(constexprs, UNROLL=unroll, DQ_GATHER=n_dq > 0, DD_OWNED=n_dd > 0, DD_SCATTER=n_dsc > 0,
              PROJECT_Q=project_q, PROJECT_D=project_d, DQ_SPLIT=dq_splits > 1),
     )  # fmt: skip
@@ -746,9 +772,75 @@ def _backward_plan(
         torch.float32 if dq_scatter or (normalize and dq_splits > 1) else Q.dtype,
         sg.pairs and not scan_q and not dq_scatter, n_queries,
         dd_owned, D.dtype if direct_d else torch.float32, sg.pairs and dd_owned and not scan_d, n_docs,
-        main, dq_sc, dd_sc, direct_d, dd_sorted, project_q, project_d or (normalize and sorted_dd), cfg.num_warps, {},
-        {},
+        main, dq_sc, dd_sc, dd_chunks, dd_tail, fused_sc, [({}, {}) for _ in dd_chunks],
+        direct_d, dd_sorted, project_q,
+        project_d or (normalize and sorted_dd), cfg.num_warps, {}, {},
     )  # fmt: skip
+
+
+def _dd_chunks(K: int, docs: int) -> tuple[tuple[tuple[int, int, bool], ...], int]:
+    """The chunks ``(first document, documents, in dD)`` of a chunked dD of ``K`` documents, and the documents of
+    the chunks' own fp32 buffer (0: none), for chunks of ``docs`` documents at least.
+
+    dD's own storage holds the first chunks' fp32 buffers: while documents ``[0, R)`` are not summed yet, their
+    bf16 rows (``2 R`` bytes per element of a row) can hold the fp32 sums of the last ``R // 3`` of them at their
+    front (4 bytes each), which do not overlap those documents' own rows, where the cast writes them. So the chunks
+    shrink by a third from the largest (a third of all documents, whose atomics then share the dQ gather's launch,
+    as unchunked ones do) to ``docs``; the rest take a buffer of their own of ``docs`` documents at most."""
+    chunks, left = [], K
+    while left // 3 >= docs:
+        n = left // 3
+        chunks.append((left - n, n, True))
+        left -= n
+    tail = min(docs, left)
+    chunks += [(k0, min(docs, left - k0), False) for k0 in range(0, left, docs)]
+    return tuple(chunks), tail
+
+
+def _front_buffer(gd: Tensor, chunk: tuple[int, int, bool]) -> Tensor:
+    """The fp32 buffer of an in-dD chunk (``_dd_chunks``): the front of dD's (16-bit) storage, one chunk's size."""
+    _k0, n, _in_dd = chunk
+    row = gd.shape[-2] * gd.shape[-1]
+    return gd.view(-1)[: 2 * n * row].view(torch.float32)
+
+
+def _chunked_scatter(
+    plan: _BackwardPlan,
+    gd: Tensor,
+    own: Tensor | None,
+    grad: Tensor,
+    argmax: Tensor,
+    Q: Tensor,
+    inv_q: Tensor,
+    segs: tuple,
+) -> Tensor:
+    """dD ``gd`` (16-bit, D's shape) of a dense cross product by the atomics, a chunk of documents at a time
+    (``plan.dd_chunks``), each into a zeroed fp32 buffer (the front of ``gd``, or ``own``, made when first needed)
+    and cast into its documents of ``gd``, which clears the buffer for the next chunk. With ``plan.fused_sc`` the
+    first chunk's atomics ran in the main launch, into its zeroed buffer."""
+    grid, ints, constexprs = plan.dd_sc
+    K = ints[1]
+    row = gd.shape[-2] * gd.shape[-1]
+    flat = gd.view(-1)
+    foreign = (grad, argmax, Q, inv_q, *segs)  # (the buffers and the slices of gd: fresh, at fixed offsets per chunk)
+    for i, (chunk, (scatter_cache, cast_cache)) in enumerate(zip(plan.dd_chunks, plan.chunk_launches, strict=True)):
+        k0, kc, in_dd = chunk
+        if in_dd:
+            buf = _front_buffer(gd, chunk)
+        else:
+            if own is None:
+                own = torch.zeros(plan.dd_tail * row, dtype=torch.float32, device=gd.device)
+            buf = own
+        if i or not plan.fused_sc:
+            _bwd_scatter(grid // K * kc, (grad, argmax, Q, buf, inv_q, *segs), (*ints[:-2], k0, kc), constexprs,
+                         plan.num_warps, 3, scatter_cache, foreign=foreign)  # fmt: skip
+        n = kc * row
+        nxt = plan.dd_chunks[i + 1] if i + 1 < len(plan.dd_chunks) else None
+        # (cleared: what the next chunk adds into, if it uses this buffer; the own one is zeroed when made)
+        n_clear = nxt[1] * row if nxt is not None and nxt[2] == in_dd else 0
+        _cast_clear(cdiv(n, dd_chunks.BLOCK), (buf, flat[k0 * row : k0 * row + n]), (n, n_clear),
+                    dict(BLOCK=dd_chunks.BLOCK), dd_chunks.NUM_WARPS, 3, cast_cache, foreign=())  # fmt: skip
+    return gd
 
 
 def backward(
@@ -776,7 +868,9 @@ def backward(
         Q.device, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype, grad.shape, grad.stride(), views,
         normalize, deterministic, torch.get_float32_matmul_precision() if Q.dtype == torch.float32 else None,
         _ragged_key(rg), PAIR_SCAN_MAX_WORK, DQ_SPLIT_MIN_K, DQ_SPLIT_MIN_PAIRS, DQ_SPLIT_PROGRAMS_PER_SM,
-        SHARED_OWNER_MAX_WORK, SHARED_OWNER_MAX_ROWS, FUSED_SCATTER, SORTED_DD_MIN_LINKS, SORTED_DD_WARPS,
+        SHARED_OWNER_MAX_WORK, SHARED_OWNER_MAX_ROWS, FUSED_SCATTER, SCATTER_BUFFER_MAX_BYTES, SCATTER_CHUNK_BYTES,
+        SCATTER_CHUNK_MIN_LINKS, SORTED_DD_MIN_LINKS,
+        SORTED_DD_WARPS,
         dd_gather.CHUNK,
     )  # fmt: skip
     plan = _bplans.get(key)
@@ -809,6 +903,12 @@ def backward(
     )
     if plan.dd_owned or plan.dd_sorted:
         gd = torch.empty(D.shape, dtype=plan.dd_dtype, device=D.device)
+    elif plan.dd_chunks:  # dD, and the first chunk's fp32 buffer: the front of dD's storage or one of its own
+        gd_chunked = torch.empty(D.shape, dtype=D.dtype, device=D.device)
+        own = None
+        if not plan.dd_chunks[0][2]:
+            own = torch.zeros(plan.dd_tail * D.shape[-2] * D.shape[-1], dtype=torch.float32, device=D.device)
+        gd = own if own is not None else _front_buffer(gd_chunked, plan.dd_chunks[0]).zero_()
     else:  # the atomics' fp32 buffer, zeroed before the launch that adds into it (main, or its own after it)
         gd = torch.zeros(D.shape, dtype=torch.float32, device=D.device) if plan.dd_sc is None else None
     q_off, q_order = csr(rg.pair_q, plan.n_queries) if plan.q_csr else (grad, grad)  # (else unused)
@@ -824,6 +924,8 @@ def backward(
         n = dQ.numel()
         _sum_slices(cdiv(n, slices.BLOCK), (dq_out, dQ), (n, plan.dq_splits), dict(BLOCK=slices.BLOCK), 4, 3,
                     plan.sum_launches, foreign=())  # fmt: skip
+    if plan.dd_chunks:
+        gd = _chunked_scatter(plan, gd_chunked, own, grad, argmax, Q, inv_q, segs)
     if plan.dd_sorted:
         _sorted_dd(plan.dd_sorted, grad, Q, D, inv_q, argmax, gd)
     if gd is None:

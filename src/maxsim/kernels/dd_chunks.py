@@ -1,0 +1,25 @@
+"""The chunked atomics' cast: a chunk of documents' fp32 dD buffer rounded into dD, and cleared for the next chunk.
+
+A large cross product's dD is summed a chunk of documents at a time (launch.py's SCATTER_BUFFER_MAX_BYTES), so each
+chunk ends with this pass. One launch reads the buffer once and writes both the result and the zeros; a cast copy
+and a memset would be two launches and a second read of the buffer's lines.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+BLOCK = 4096  # elements per program
+NUM_WARPS = 8
+
+
+@triton.jit(do_not_specialize=["n", "n_clear"])
+def cast_clear_kernel(BUF, OUT, n, n_clear, BLOCK: tl.constexpr):
+    """``OUT[i] = BUF[i]`` in ``OUT``'s dtype for the ``n`` contiguous elements of both, and ``BUF[i] = 0`` for the
+    first ``n_clear`` of them (what the next chunk adds into)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    x = tl.load(BUF + offs, mask=ok, other=0.0)
+    tl.store(OUT + offs, x.to(OUT.dtype.element_ty), mask=ok)
+    tl.store(BUF + offs, tl.zeros_like(x), mask=offs < n_clear)
