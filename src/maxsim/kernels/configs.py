@@ -141,7 +141,10 @@ def deep_pipeline_config(cfg: ForwardConfig) -> ForwardConfig:
 
 
 CANDIDATE_OWNER_BLOCK_K = 64  # dims per dD owner program of a candidate document (see backward_config)
-OWNER_BLOCK_N = 64  # document tokens per dD owner program (see backward_config)
+# Document tokens per dD owner program, and the backward launch's warps (module settings, for tools/knobs.py). H200,
+# in-process, cross product 256x256 Lq32 Ld300 with the owner forced (docs/performance.md v59): backward GPU time
+# 1.44 ms; 128 tokens 1.98 ms, 128 tokens in 8 warps 1.69 ms. (64x64 Ld1024: 261, 320, 247 us.)
+OWNER_BLOCK_N = 64
 BACKWARD_NUM_WARPS = 4
 
 
