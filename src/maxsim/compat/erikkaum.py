@@ -135,7 +135,7 @@ def score_candidates_padded_train(
     doc_lengths: Tensor,
 ) -> Tensor:
     """:func:`score_candidates_padded` for training: ``[B, K]`` float32 scores with gradients to ``queries`` and
-    ``documents`` (in their dtype). The forward keeps only an int32 argmax per query token for the backward.
+    ``documents`` (in their dtype). The forward keeps only an argmax per query token for the backward.
     No host<->device sync.
     """
     return _padded(queries, documents, query_lengths, doc_lengths, False)

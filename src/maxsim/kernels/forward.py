@@ -403,7 +403,7 @@ def maxsim_fwd_kernel(
         d_base, _d_tok0, d_len, d_bad = doc_segment(
             D, DSEG, b, doc, K, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, D_KIND
         )
-        d_len = d_len.to(tl.int32)  # the tile loop's index feeds the int32 argmax
+        d_len = d_len.to(tl.int32)  # the tile loop's index feeds the argmax (int32 here)
         dm_doc = DM + b * sdm_b + kk * sdm_k
         inv_doc = INV_D
         if NORMS_GIVEN:

@@ -72,10 +72,12 @@ FUSED_SCATTER = 1
 # The fp32 buffer the fast cross product's dD atomics add into holds at most SCATTER_BUFFER_MAX_BYTES: beyond, dD is
 # summed a chunk of documents at a time, in a buffer of SCATTER_CHUNK_BYTES (a launch of atomics and a cast into dD
 # per chunk, the first chunk's atomics in the dQ gather's launch), each chunk of at least SCATTER_CHUNK_MIN_LINKS
-# links (query tokens x documents) to amortize its two launches. A large step's peak memory is then its gradients
-# and saved argmax, not an fp32 copy of dD on top (twice dD's size). The chunks cost GPU time: most of them run
-# without the gather beside them. H200, in-process, training step 256x256 Lq32 Ld300 (37.5 MiB buffer): 0.89 ->
-# 1.05 ms with 3 MiB chunks, 1.00 with 6 MiB, 0.98 with 12 MiB; peak 67.0 -> 31.9 / 34.9 / 41.0 MiB (int32 argmax).
+# links (query tokens x documents) to amortize its two launches; the first chunks' buffers are the front of dD's own
+# storage (see _dd_chunks), so only the last ones take SCATTER_CHUNK_BYTES of their own. A large step's peak memory
+# is then its gradients and saved argmax, not an fp32 copy of dD on top (twice dD's size). The chunks cost GPU time:
+# most of their atomics run without the gather beside them. H200, in-process, training step 256x256 Lq32 Ld300 (a
+# 37.5 MiB buffer; docs/performance.md v58): 0.875 -> 1.007 ms, peak 63.0 -> 27.9 MiB; equal 3 MiB chunks, none in
+# dD, had taken 1.05 ms (6 MiB 1.00, 12 MiB 0.98; peak 31.9 / 34.9 / 41.0 MiB with the int32 argmax).
 SCATTER_BUFFER_MAX_BYTES = 32 << 20
 SCATTER_CHUNK_BYTES = 3 << 20
 SCATTER_CHUNK_MIN_LINKS = 1 << 17
