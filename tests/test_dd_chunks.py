@@ -33,7 +33,8 @@ def test_chunked_atomics_match_the_reference(chunk_docs, fused, device, monkeypa
         check_parity(inp, backward="fast", seed=3)
     plan = next(iter(launch._bplans.values()))
     launch._bplans.clear()
-    # (1: chunks of 2, 1, 1, 1 documents in dD, then 1, 1 in a buffer; 2: 2 in dD, then 2, 2, 1; 3: 3, 3, 1)
+    # (1: chunks of 2, 1, 1, 1, 1, 1 documents, in dD, own buffer, dD, then the own buffer three times; 2: 2, 2, 1,
+    # 2 in dD and the own buffer in turn; 3: 2 in dD, then 3 and 2 in the own buffer)
     assert (plan.dd_chunks, plan.fused_sc) == (launch._dd_chunks(7, chunk_docs)[0], bool(fused))
 
 
@@ -69,23 +70,60 @@ def test_no_chunks_for_a_buffer_under_the_cap(device, monkeypatch):
     launch._bplans.clear()
 
 
-@pytest.mark.parametrize("K", [2, 3, 7, 64, 256, 1000])
+@pytest.mark.parametrize("K", [1, 2, 3, 4, 7, 64, 256, 1000])
 @pytest.mark.parametrize("docs", [1, 2, 20, 500])
-def test_chunk_plan_covers_every_document_once_and_fits_its_buffers(K, docs):
-    """The chunks cover the documents once each; an in-dD chunk's fp32 buffer (the front of dD's storage, 4 bytes
-    per element) overlaps neither its own rows nor any already summed (those behind it), and the own buffer holds
-    every other chunk."""
+@pytest.mark.parametrize("fused_first", [True, False])
+def test_chunk_plan_covers_every_document_once_and_its_launches_never_overlap(K, docs, fused_first):
+    """The chunks cover the documents once each, from the end; the own buffer holds every chunk not in dD. Then the
+    launches, replayed on byte ranges of dD's storage (in 16-bit rows) and the own buffer: every chunk adds into a
+    buffer that is zero (fresh, or cleared by an earlier launch's cast) and that no cast of the same launch reads,
+    clears or writes; an in-dD buffer never overlaps rows already written; every chunk is cast once, after its
+    atomics, into rows that nothing else in that launch touches."""
     from maxsim.kernels import launch
 
+    if K == 1:  # (a chunk plan needs docs < K)
+        return
     chunks, tail = launch._dd_chunks(K, docs)
     covered = sorted(d for k0, n, _ in chunks for d in range(k0, k0 + n))
     assert covered == list(range(K))
     done = K
     for k0, n, in_dd in chunks:
-        assert n >= 1
+        assert n >= 1 and k0 + n == done
+        done = k0
         if in_dd:
-            assert k0 + n == done and 4 * n <= 2 * k0 and n >= docs  # (bytes per row element: fp32 vs 16-bit)
-            done = k0
+            assert 2 * n <= k0  # (its fp32 buffer, twice its 16-bit rows, in front of its rows)
         else:
             assert n <= tail <= docs
-    assert tail == (min(docs, done) if done else 0)
+    assert tail == max([n for _, n, in_dd in chunks if not in_dd], default=0)
+
+    def span(c: int) -> tuple[str, int, int]:  # (storage, first row, rows) of chunk c's fp32 buffer
+        return ("dD", 0, 2 * chunks[c][1]) if chunks[c][2] else ("own", 0, 2 * chunks[c][1])
+
+    def overlap(a: tuple, b: tuple) -> bool:
+        return a[0] == b[0] and a[1] < b[1] + b[2] and b[1] < a[1] + a[2]
+
+    # (rows zeroed before the first launch: the first chunk's buffer in dD, or the own buffer, made zeroed)
+    zero = {"dD": 2 * chunks[0][1] if chunks[0][2] else 0, "own": 2 * tail}
+    written: list[tuple] = []
+    added, cast = set(), []
+    launches = [(0, None, 0)] if fused_first else []
+    launches += list(launch._chunk_steps(chunks, fused_first))
+    for scatter, c, clear in launches:
+        touched = []
+        if c is not None:
+            assert c in added and c not in cast
+            cast.append(c)
+            src, rows = span(c), ("dD", chunks[c][0], chunks[c][1])
+            assert not any(overlap(rows, w) for w in written)
+            assert not overlap(src, rows) and clear <= chunks[c][1]
+            touched += [src, rows]
+            written.append(rows)
+            zero[src[0]] = 2 * clear
+        if scatter is not None:
+            dst = span(scatter)
+            assert zero[dst[0]] >= dst[2], (scatter, zero)  # (zeroed before, by a memset or a cast's clear)
+            assert not any(overlap(dst, t) for t in touched)
+            assert not any(overlap(dst, w) for w in written)
+            added.add(scatter)
+            zero[dst[0]] = 0
+    assert sorted(cast) == list(range(len(chunks))) and cast[-1] == len(chunks) - 1

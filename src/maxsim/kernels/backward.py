@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from ..layout import NORM_EPS as NORM_EPS_VALUE
+from .dd_chunks import cast_clear_block
 from .normalize import project_rows
 from .segments import OFFSETS, doc_segment, query_segment
 
@@ -180,30 +181,39 @@ def _pair_members(pair, K, PQ, PD, PAIR_LIST: tl.constexpr, SHARED_DOCS: tl.cons
 @triton.jit(
     do_not_specialize=[
         "Nq", "K", "Lq", "Ld", "n_qseq", "n_qrows", "n_dseq", "n_drows", "sqs", "sds_b", "sds_k", "sg", "n_tb",
-        "k_lo", "K_c",
+        "k_lo", "K_c", "n_cast", "n_clear", "cast_programs",
     ]
 )  # fmt: skip
 def maxsim_bwd_scatter_kernel(
-    G, ARG, QT, DT, INV, QSEG, DSEG, PQ, PD,
+    G, ARG, QT, DT, INV, QSEG, DSEG, PQ, PD, CAST_BUF, CAST_OUT,
     Nq, K, Lq, Ld, dim,
     n_qseq, n_qrows, n_dseq, n_drows,
     sq_n, sq_l,
     sd_b, sd_k, sd_l,
     sqs, sds_b, sds_k, sg,
-    n_tb, k_lo, K_c,
+    n_tb, k_lo, K_c, n_cast, n_clear, cast_programs,
     BT: tl.constexpr, DIM_P: tl.constexpr,
     Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr, SHARED_DOCS: tl.constexpr,
-    TO_Q: tl.constexpr, NORMALIZE: tl.constexpr,
+    TO_Q: tl.constexpr, NORMALIZE: tl.constexpr, DOCS: tl.constexpr, CAST: tl.constexpr, CAST_BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """One program per (pair, query-token block), fp32 atomics. ``TO_Q``: read document rows ``DT[a]``, add into
-    ``QT[t]`` (dQ, used for pair lists); else read query rows ``QT[t]``, add into ``DT[a]`` (dD). ``INV`` holds the
-    inverse norms of the side that is read. Documents ``[k_lo, k_lo + K_c)`` of a cross product only (all of them:
-    ``k_lo = 0``, ``K_c = K``), added into ``DT``'s documents ``[0, K_c)``: the dD of a large cross product is summed
-    a chunk of documents at a time, in an fp32 buffer of the chunk's size."""
+    """fp32 atomics. ``TO_Q``: one program per (pair, query-token block) reads document rows ``DT[a]`` and adds
+    them into ``QT[t]`` (dQ, used for pair lists); else one per (query-token block, ``DOCS`` documents) reads query
+    rows ``QT[t]`` and adds them into ``DT[a]`` (dD). ``INV`` holds the inverse norms of the side that is read.
+    Documents ``[k_lo, k_lo + K_c)`` of a cross product only (all of them: ``k_lo = 0``, ``K_c = K``), added into
+    ``DT``'s documents ``[0, K_c)``: the dD of a large cross product is summed a chunk of documents at a time, in
+    an fp32 buffer of the chunk's size. ``CAST``: programs ``[0, cast_programs)`` cast the chunk before
+    (``dd_chunks.cast_clear_block`` of ``CAST_BUF`` into ``CAST_OUT``, ``n_cast`` elements, the first ``n_clear``
+    cleared), the rest add this chunk."""
+    pid = tl.program_id(0)
+    if CAST:
+        if pid < cast_programs:
+            cast_clear_block(pid, CAST_BUF, CAST_OUT, n_cast, n_clear, CAST_BLOCK)
+            return
+        pid -= cast_programs
     _scatter_program(
-        tl.program_id(0), G, ARG, QT, DT, INV, QSEG, DSEG, PQ, PD, K, Lq, Ld, dim, n_qseq, n_qrows, n_dseq, n_drows,
+        pid, G, ARG, QT, DT, INV, QSEG, DSEG, PQ, PD, K, Lq, Ld, dim, n_qseq, n_qrows, n_dseq, n_drows,
         sq_n, sq_l, sd_b, sd_k, sd_l, sqs, sds_b, sds_k, sg, n_tb, k_lo, K_c, BT, DIM_P, Q_KIND, D_KIND, PAIR_LIST,
-        SHARED_DOCS, TO_Q, NORMALIZE,
+        SHARED_DOCS, TO_Q, NORMALIZE, DOCS,
     )  # fmt: skip
 
 
@@ -212,10 +222,17 @@ def _scatter_program(
     pid, G, ARG, QT, DT, INV, QSEG, DSEG, PQ, PD, K, Lq, Ld, dim, n_qseq, n_qrows, n_dseq, n_drows,
     sq_n, sq_l, sd_b, sd_k, sd_l, sqs, sds_b, sds_k, sg, n_tb, k_lo, K_c,
     BT: tl.constexpr, DIM_P: tl.constexpr, Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr,
-    SHARED_DOCS: tl.constexpr, TO_Q: tl.constexpr, NORMALIZE: tl.constexpr,
+    SHARED_DOCS: tl.constexpr, TO_Q: tl.constexpr, NORMALIZE: tl.constexpr, DOCS: tl.constexpr,
 ):  # fmt: skip
     """Program ``pid`` of :func:`maxsim_bwd_scatter_kernel` (also run inside :func:`maxsim_bwd_kernel`, with
     ``k_lo = 0``, ``K_c = K``)."""
+    if not TO_Q:
+        _dd_atomics_program(
+            pid, G, ARG, QT, DT, INV, QSEG, DSEG, K, Lq, Ld, dim, n_qseq, n_qrows, n_dseq, n_drows,
+            sq_n, sq_l, sd_b, sd_k, sd_l, sqs, sds_b, sds_k, sg, n_tb, k_lo, K_c, BT, DIM_P, Q_KIND, D_KIND,
+            NORMALIZE, DOCS,
+        )  # fmt: skip
+        return
     pair_c = (pid // n_tb).to(tl.int64)
     pair = (pair_c // K_c) * K + k_lo + pair_c % K_c
     t = (pid % n_tb) * BT + tl.arange(0, BT)
@@ -239,12 +256,54 @@ def _scatter_program(
     mask = hit[:, None] & kd_ok[None, :]
     q_ptrs = q_base + t[:, None] * sq_l + kd[None, :]
     d_ptrs = d_base + a[:, None] * sd_l + kd[None, :]
-    if TO_Q:
-        rows = tl.load(d_ptrs, mask=mask, other=0.0)
-        tl.atomic_add(q_ptrs, rows.to(tl.float32) * w[:, None], mask=mask, sem="relaxed")
-    else:
-        rows = tl.load(q_ptrs, mask=mask, other=0.0)
-        tl.atomic_add(d_ptrs, rows.to(tl.float32) * w[:, None], mask=mask, sem="relaxed")
+    rows = tl.load(d_ptrs, mask=mask, other=0.0)
+    tl.atomic_add(q_ptrs, rows.to(tl.float32) * w[:, None], mask=mask, sem="relaxed")
+
+
+@triton.jit
+def _dd_atomics_program(
+    pid, G, ARG, Q, GD, INV_Q, QSEG, DSEG, K, Lq, Ld, dim, n_qseq, n_qrows, n_dseq, n_drows,
+    sq_n, sq_l, sgd_b, sgd_k, sgd_l, sqs, sds_b, sds_k, sg, n_tb, k_lo, K_c,
+    BT: tl.constexpr, DIM_P: tl.constexpr, Q_KIND: tl.constexpr, D_KIND: tl.constexpr, NORMALIZE: tl.constexpr,
+    DOCS: tl.constexpr,
+):  # fmt: skip
+    """dD of the cross product by fp32 atomics: program ``pid`` adds the weighted rows of one block of ``BT``
+    tokens of one query into the rows its tokens chose in ``DOCS`` consecutive documents of ``[k_lo, k_lo + K_c)``
+    (buffer ``GD`` holds documents ``[k_lo, ...)`` from its start). The query rows are loaded once for the
+    ``DOCS`` documents, with every document's argmax and weight before the first atomic: one round trip of loads
+    per program instead of two dependent ones per document, and ``DOCS`` times fewer reads of the query rows."""
+    n_grp = tl.cdiv(K_c, DOCS)
+    pair_c = (pid // n_tb).to(tl.int64)
+    q = pair_c // n_grp
+    k0 = (pair_c % n_grp) * DOCS  # (the group's first document, in the chunk)
+    kk = k0 + tl.arange(0, DOCS)
+    k_ok = kk < K_c
+    t = (pid % n_tb) * BT + tl.arange(0, BT)
+    q_base, q_tok0, q_len, _q_bad = query_segment(Q, QSEG, q, q >= 0, Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, Q_KIND)
+    t_ok = t < q_len
+    kd = tl.arange(0, DIM_P)
+    kd_ok = kd < dim
+    pairs = q * K + k_lo + kk
+    a_all = tl.load(ARG + pairs[:, None] * Lq + t[None, :], mask=k_ok[:, None] & t_ok[None, :], other=-1)
+    a_all = a_all.to(tl.int32)
+    w_all = tl.load(G + pairs * sg, mask=k_ok, other=0.0)
+    # (a token that chose nothing adds nothing: its row, NaN or not, is masked out of the atomics)
+    rows = tl.load(q_base + t[:, None] * sq_l + kd[None, :], mask=t_ok[:, None] & kd_ok[None, :], other=0.0)
+    rows = rows.to(tl.float32)
+    inv = tl.load(INV_Q + q_tok0 + t, mask=t_ok, other=0.0) if NORMALIZE else tl.full([BT], 1.0, tl.float32)
+    slot = tl.arange(0, DOCS)
+    for i in tl.static_range(DOCS):
+        pick = slot == i
+        a = tl.sum(tl.where(pick[:, None], a_all, 0), 0)
+        w = tl.sum(tl.where(pick, w_all, 0.0), 0) * inv  # (as g * inv, then times the row: the rounding of
+        # the one-document programs)
+        doc = k_lo + tl.minimum(k0 + i, K_c - 1)  # (past the chunk: every token's argmax is -1, nothing added)
+        d_base, _d_tok0, _d_len, _d_bad = doc_segment(
+            GD, DSEG, 0, doc, K, Ld, n_dseq, n_drows, sgd_b, sgd_k, sgd_l, sds_b, sds_k, D_KIND
+        )
+        d_base -= k_lo * sgd_k  # (the chunk's buffer)
+        mask = (a >= 0)[:, None] & kd_ok[None, :]
+        tl.atomic_add(d_base + a[:, None] * sgd_l + kd[None, :], rows * w[:, None], mask=mask, sem="relaxed")
 
 
 @triton.jit
@@ -530,7 +589,7 @@ def maxsim_bwd_kernel(
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     DQ_GATHER: tl.constexpr, DD_OWNED: tl.constexpr, SCAN_Q: tl.constexpr, SCAN_D: tl.constexpr,
     DOC_WALK: tl.constexpr, DD_SCATTER: tl.constexpr, PROJECT_Q: tl.constexpr, PROJECT_D: tl.constexpr,
-    DQ_SPLIT: tl.constexpr,
+    DQ_SPLIT: tl.constexpr, SCATTER_DOCS: tl.constexpr,
 ):  # fmt: skip
     """The gather-and-own backward in one launch: programs ``[0, n_dq)`` compute dQ by the gather (``DQ_GATHER``),
     the rest own blocks of dD (``DD_OWNED``); either side may be absent (a long pair list's dQ and the fast cross
@@ -565,5 +624,5 @@ def maxsim_bwd_kernel(
             _scatter_program(
                 pid - n_dq, G, ARG, Q, GD, INV_Q, QSEG, DSEG, PQ, PD, K, Lq, Ld, dim, n_qseq, n_qrows, n_dseq,
                 n_drows, sq_n, sq_l, sgd_b, sgd_k, sgd_l, sqs, sds_b, sds_k, sg, n_tb, sc_lo, sc_n, BT, DIM_P, Q_KIND,
-                D_KIND, PAIR_LIST, SHARED_DOCS, False, NORMALIZE,
+                D_KIND, PAIR_LIST, SHARED_DOCS, False, NORMALIZE, SCATTER_DOCS,
             )  # fmt: skip

@@ -38,6 +38,7 @@ _link_keys = Launcher(dd_gather.link_keys_kernel)
 _dd_gather = Launcher(dd_gather.dd_gather_kernel)
 _sum_slices = Launcher(slices.sum_slices_kernel)
 _cast_clear = Launcher(dd_chunks.cast_clear_kernel)
+_FUSED_CAST_BLOCK = dd_chunks.FUSED_BLOCK  # (dd_chunks is also a plan's name below)
 _combine_chunks = Launcher(doc_chunks.combine_chunks_kernel)
 
 DENSE, OFFSETS, LENGTHS = 0, 1, 2  # segment kinds, as in kernels/segments.py
@@ -79,6 +80,10 @@ FUSED_SCATTER = 1
 # 37.5 MiB buffer; docs/performance.md v58): 0.875 -> 1.007 ms, peak 63.0 -> 27.9 MiB; equal 3 MiB chunks, none in
 # dD, had taken 1.05 ms (6 MiB 1.00, 12 MiB 0.98; peak 31.9 / 34.9 / 41.0 MiB with the int32 argmax).
 SCATTER_BUFFER_MAX_BYTES = 32 << 20
+# Each program of the fast cross product's dD atomics adds one query-token block into this many documents (its
+# query rows loaded once, every document's argmax and weight before the first atomic; backward.py's
+# _dd_atomics_program). A power of two.
+SCATTER_DOCS = 2
 SCATTER_CHUNK_BYTES = 3 << 20
 SCATTER_CHUNK_MIN_LINKS = 1 << 17
 # A dQ gather of few programs over many pairs each (few queries against many documents or candidates: cross 1x1000
@@ -613,7 +618,8 @@ class _BackwardPlan(NamedTuple):
     dd_chunks: tuple  # chunks of the atomics (see _dd_chunks; empty: all at once)
     dd_tail: int  # documents of the chunks' own buffer (0: none)
     fused_sc: bool  # the atomics (of the first chunk) run in the main launch
-    chunk_launches: list  # the launcher's plan caches of each chunk's (scatter, cast) launches
+    chunk_steps: tuple  # the chunks' launches after the main one (see _chunk_steps)
+    chunk_launches: list  # the launcher's plan cache of each of those launches
     direct_d: bool  # dD comes out in D's dtype without a cast
     dd_sorted: tuple | None  # (n_links, K, Lq, Ld, ints, constexprs, warps) of the sorted gather (dd_gather.py)
     project_q: bool  # normalize: the gather chains dQ through Q's normalization (else a launch after)
@@ -676,11 +682,12 @@ def _backward_plan(
     d_fresh = _d_strides(torch.empty(D.shape, device="meta"), False)
 
     def scatter(to_q: bool, q_strides: tuple, d_strides: tuple) -> tuple:
+        docs = 1 if to_q else SCATTER_DOCS  # (dD: the grid of all K documents; a chunk's is _scatter_grid's)
         return (
-            n_pairs * n_tb,
-            (Nq, K, Lq, Ld, dim, *seg_args, *q_strides, *d_strides, *seg_strides, n_tb, 0, K),
+            Nq * cdiv(K, docs) * n_tb if not sg.pairs else n_pairs * n_tb,
+            (Nq, K, Lq, Ld, dim, *seg_args, *q_strides, *d_strides, *seg_strides, n_tb, 0, K, 0, 0, 0),
             dict(BT=cfg.BT, DIM_P=cfg.DIM_P, **kinds, PAIR_LIST=sg.pairs, SHARED_DOCS=shared, TO_Q=to_q,
-                 NORMALIZE=normalize),
+                 NORMALIZE=normalize, DOCS=docs, CAST=False, CAST_BLOCK=_FUSED_CAST_BLOCK),
         )  # fmt: skip
 
     # A short pair list is scanned by each program instead of indexed (see backward.py): fewer launches.
@@ -735,7 +742,8 @@ def _backward_plan(
         dd_chunks, dd_tail = _dd_chunks(K, docs) if docs < K else ((), 0)
     fused_sc = not dd_owned and not sorted_dd and bool(FUSED_SCATTER)
     sc_lo, sc_n = dd_chunks[0][:2] if dd_chunks else (0, K)  # (the main launch's atomics: all, or the first chunk)
-    n_dsc = Nq * sc_n * n_tb if fused_sc else 0
+    n_dsc = _scatter_grid(Nq, sc_n, n_tb) if fused_sc else 0
+    steps = _chunk_steps(dd_chunks, fused_sc) if dd_chunks else ()
     dd_sc = (
         None
         if dd_owned or (fused_sc and not dd_chunks) or sorted_dd
@@ -767,36 +775,69 @@ def _backward_plan(
         n_dq + n_dd + n_dsc,
         (*ints, n_dq, dq_splits, ks_len, Q.numel(), sc_lo, sc_n),
         dict(constexprs, UNROLL=unroll, DQ_GATHER=n_dq > 0, DD_OWNED=n_dd > 0, DD_SCATTER=n_dsc > 0,
-             PROJECT_Q=project_q, PROJECT_D=project_d, DQ_SPLIT=dq_splits > 1),
+             PROJECT_Q=project_q, PROJECT_D=project_d, DQ_SPLIT=dq_splits > 1, SCATTER_DOCS=SCATTER_DOCS),
     )  # fmt: skip
     return _BackwardPlan(
         grad_contiguous, dq_scatter, dq_splits,
         torch.float32 if dq_scatter or (normalize and dq_splits > 1) else Q.dtype,
         sg.pairs and not scan_q and not dq_scatter, n_queries,
         dd_owned, D.dtype if direct_d else torch.float32, sg.pairs and dd_owned and not scan_d, n_docs,
-        main, dq_sc, dd_sc, dd_chunks, dd_tail, fused_sc, [({}, {}) for _ in dd_chunks],
+        main, dq_sc, dd_sc, dd_chunks, dd_tail, fused_sc, steps, [{} for _ in steps],
         direct_d, dd_sorted, project_q,
         project_d or (normalize and sorted_dd), cfg.num_warps, {}, {},
     )  # fmt: skip
 
 
+def _scatter_grid(Nq: int, n_docs: int, n_tb: int) -> int:
+    """Programs of the dD atomics into ``n_docs`` documents (``SCATTER_DOCS`` a program) from ``Nq`` queries of
+    ``n_tb`` token blocks."""
+    return Nq * cdiv(n_docs, SCATTER_DOCS) * n_tb
+
+
 def _dd_chunks(K: int, docs: int) -> tuple[tuple[tuple[int, int, bool], ...], int]:
     """The chunks ``(first document, documents, in dD)`` of a chunked dD of ``K`` documents, and the documents of
-    the chunks' own fp32 buffer (0: none), for chunks of ``docs`` documents at least.
+    the chunks' own fp32 buffer (0: none), whose chunks hold ``docs`` documents at most.
 
-    dD's own storage holds the first chunks' fp32 buffers: while documents ``[0, R)`` are not summed yet, their
-    bf16 rows (``2 R`` bytes per element of a row) can hold the fp32 sums of the last ``R // 3`` of them at their
-    front (4 bytes each), which do not overlap those documents' own rows, where the cast writes them. So the chunks
-    shrink by a third from the largest (a third of all documents, whose atomics then share the dQ gather's launch,
-    as unchunked ones do) to ``docs``; the rest take a buffer of their own of ``docs`` documents at most."""
-    chunks, left = [], K
-    while left // 3 >= docs:
-        n = left // 3
-        chunks.append((left - n, n, True))
+    dD's own storage holds half the chunks' fp32 buffers: while documents ``[0, R)`` are not summed yet, their
+    16-bit rows (2 bytes per element of a row) can hold the fp32 sums (4 bytes) of the last ``R // 3`` of them at
+    their front, which then overlap neither those documents' rows, where the cast writes them, nor the rows of the
+    chunk before (a chunk of the own buffer, above them). The chunks alternate between the two buffers, each taking
+    its documents from the end of those left: a third of them in dD (the first, the largest, shares the dQ
+    gather's launch), then ``docs`` in the own buffer, and so on. So each chunk's cast can run in the launch of the
+    next chunk's atomics (``_chunk_steps``), and the own buffer is never more than ``docs`` documents."""
+    chunks, left, in_dd = [], K, True
+    while left:
+        n = left // 3 if in_dd and left >= 3 else min(docs, left)
+        chunks.append((left - n, n, in_dd and left >= 3))
         left -= n
-    tail = min(docs, left)
-    chunks += [(k0, min(docs, left - k0), False) for k0 in range(0, left, docs)]
+        in_dd = not chunks[-1][2]
+    tail = max((n for _, n, in_dd in chunks if not in_dd), default=0)
     return tuple(chunks), tail
+
+
+def _chunk_steps(chunks: tuple, fused_first: bool) -> tuple[tuple[int | None, int | None, int], ...]:
+    """The launches that sum ``chunks`` after the main launch (which adds the first one when ``fused_first``):
+    ``(chunk whose atomics it runs, chunk it casts, documents its cast clears)``, either of the first two None.
+
+    A chunk's cast runs in the next chunk's atomics launch when the two chunks use different buffers (else in a
+    launch of its own, before it); it clears the documents of the next chunk to use its buffer, which always adds
+    in a later launch. The last chunk's cast is a launch of its own."""
+
+    def clear(j: int) -> int:
+        later = [n for _k0, n, in_dd in chunks[j + 1 :] if in_dd == chunks[j][2]]
+        return later[0] if later else 0
+
+    steps = []
+    for i in range(len(chunks)):
+        prev = i - 1 if i else None
+        fuse = prev is not None and chunks[prev][2] != chunks[i][2]
+        if prev is not None and not fuse:
+            steps.append((None, prev, clear(prev)))
+        scatter = None if i == 0 and fused_first else i
+        if scatter is not None or fuse:
+            steps.append((scatter, prev if fuse else None, clear(prev) if fuse else 0))
+    steps.append((None, len(chunks) - 1, 0))
+    return tuple(steps)
 
 
 def _front_buffer(gd: Tensor, chunk: tuple[int, int, bool]) -> Tensor:
@@ -817,31 +858,42 @@ def _chunked_scatter(
     segs: tuple,
 ) -> Tensor:
     """dD ``gd`` (16-bit, D's shape) of a dense cross product by the atomics, a chunk of documents at a time
-    (``plan.dd_chunks``), each into a zeroed fp32 buffer (the front of ``gd``, or ``own``, made when first needed)
-    and cast into its documents of ``gd``, which clears the buffer for the next chunk. With ``plan.fused_sc`` the
-    first chunk's atomics ran in the main launch, into its zeroed buffer."""
-    grid, ints, constexprs = plan.dd_sc
-    K = ints[1]
+    (``plan.dd_chunks``, launched as ``plan.chunk_steps``), each into a zeroed fp32 buffer (the front of ``gd``, or
+    ``own``, made when first needed) and cast into its documents of ``gd``, which clears the buffer for the next
+    chunk that uses it. With ``plan.fused_sc`` the first chunk's atomics ran in the main launch, into its zeroed
+    buffer."""
+    _grid, ints, constexprs = plan.dd_sc
+    Nq, n_tb = ints[0], ints[-6]
     row = gd.shape[-2] * gd.shape[-1]
     flat = gd.view(-1)
     foreign = (grad, argmax, Q, inv_q, *segs)  # (the buffers and the slices of gd: fresh, at fixed offsets per chunk)
-    for i, (chunk, (scatter_cache, cast_cache)) in enumerate(zip(plan.dd_chunks, plan.chunk_launches, strict=True)):
-        k0, kc, in_dd = chunk
-        if in_dd:
-            buf = _front_buffer(gd, chunk)
-        else:
-            if own is None:
-                own = torch.zeros(plan.dd_tail * row, dtype=torch.float32, device=gd.device)
-            buf = own
-        if i or not plan.fused_sc:
-            _bwd_scatter(grid // K * kc, (grad, argmax, Q, buf, inv_q, *segs), (*ints[:-2], k0, kc), constexprs,
-                         plan.num_warps, 3, scatter_cache, foreign=foreign)  # fmt: skip
-        n = kc * row
-        nxt = plan.dd_chunks[i + 1] if i + 1 < len(plan.dd_chunks) else None
-        # (cleared: what the next chunk adds into, if it uses this buffer; the own one is zeroed when made)
-        n_clear = nxt[1] * row if nxt is not None and nxt[2] == in_dd else 0
-        _cast_clear(cdiv(n, dd_chunks.BLOCK), (buf, flat[k0 * row : k0 * row + n]), (n, n_clear),
-                    dict(BLOCK=dd_chunks.BLOCK), dd_chunks.NUM_WARPS, 3, cast_cache, foreign=())  # fmt: skip
+
+    def buffer(c: int) -> Tensor:
+        nonlocal own
+        if plan.dd_chunks[c][2]:
+            return _front_buffer(gd, plan.dd_chunks[c])
+        if own is None:
+            own = torch.zeros(plan.dd_tail * row, dtype=torch.float32, device=gd.device)
+        return own
+
+    for (scatter, cast, clear), cache in zip(plan.chunk_steps, plan.chunk_launches, strict=True):
+        if cast is not None:
+            k0, kc, _in_dd = plan.dd_chunks[cast]
+            n, n_clear = kc * row, clear * row
+            cast_pair = (buffer(cast), flat[k0 * row : k0 * row + n])
+        if scatter is None:
+            _cast_clear(cdiv(n, dd_chunks.BLOCK), cast_pair, (n, n_clear), dict(BLOCK=dd_chunks.BLOCK),
+                        dd_chunks.NUM_WARPS, 3, cache, foreign=())  # fmt: skip
+            continue
+        k0, kc, _in_dd = plan.dd_chunks[scatter]
+        tensors = (grad, argmax, Q, buffer(scatter), inv_q, *segs)
+        n_progs = cdiv(n, _FUSED_CAST_BLOCK) if cast is not None else 0
+        cast_args = (n, n_clear, n_progs) if cast is not None else (0, 0, 0)
+        _bwd_scatter(
+            n_progs + _scatter_grid(Nq, kc, n_tb), (*tensors, *(cast_pair if cast is not None else (grad, grad))),
+            (*ints[:-5], k0, kc, *cast_args), dict(constexprs, CAST=cast is not None), plan.num_warps, 3, cache,
+            foreign=foreign,
+        )  # fmt: skip
     return gd
 
 
@@ -871,7 +923,7 @@ def backward(
         normalize, deterministic, torch.get_float32_matmul_precision() if Q.dtype == torch.float32 else None,
         _ragged_key(rg), PAIR_SCAN_MAX_WORK, DQ_SPLIT_MIN_K, DQ_SPLIT_MIN_PAIRS, DQ_SPLIT_PROGRAMS_PER_SM,
         SHARED_OWNER_MAX_WORK, SHARED_OWNER_MAX_ROWS, FUSED_SCATTER, SCATTER_BUFFER_MAX_BYTES, SCATTER_CHUNK_BYTES,
-        SCATTER_CHUNK_MIN_LINKS, SORTED_DD_MIN_LINKS,
+        SCATTER_CHUNK_MIN_LINKS, SCATTER_DOCS, SORTED_DD_MIN_LINKS,
         SORTED_DD_WARPS,
         dd_gather.CHUNK,
     )  # fmt: skip
@@ -896,7 +948,7 @@ def backward(
     if plan.dq_scatter:
         dQ = torch.zeros(Q.shape, dtype=torch.float32, device=Q.device)
         grid, ints, constexprs = plan.dq_sc
-        _bwd_scatter(grid, (grad, argmax, dQ, D, inv_d, *segs), ints, constexprs, nw)
+        _bwd_scatter(grid, (grad, argmax, dQ, D, inv_d, *segs, grad, grad), ints, constexprs, nw)
     else:
         dQ = torch.empty(Q.shape, dtype=plan.dq_dtype, device=Q.device)
     # (the split walk's fp32 slices, every element written by the gather)
@@ -935,7 +987,7 @@ def backward(
         # 1.079 ms with the scatter first, 1.060 ms after, in-process A/B against 50d67b8 at 1.041 / 1.061 ms)
         gd = torch.zeros(D.shape, dtype=torch.float32, device=D.device)
         grid, ints, constexprs = plan.dd_sc
-        _bwd_scatter(grid, (grad, argmax, Q, gd, inv_q, *segs), ints, constexprs, nw)
+        _bwd_scatter(grid, (grad, argmax, Q, gd, inv_q, *segs, grad, grad), ints, constexprs, nw)
 
     # The transients die before the casts below: a training step's peak memory is the cast of dD, its fp32 buffer
     # and its result side by side, and the split walk's slices (fp32, Q's size times the slices) or the pair lists'
