@@ -71,18 +71,22 @@ SORTED_DD_WARPS = 1
 # off-matrix dim 96 41 -> 34 us; training steps 0.95x, 0.98x, 0.94x, and 64x64 Ld1024 (host-bound) 0.87x.
 FUSED_SCATTER = 1
 # The fp32 buffer the fast cross product's dD atomics add into holds at most SCATTER_BUFFER_MAX_BYTES: beyond, dD is
-# summed a chunk of documents at a time, in a buffer of SCATTER_CHUNK_BYTES (a launch of atomics and a cast into dD
-# per chunk, the first chunk's atomics in the dQ gather's launch), each chunk of at least SCATTER_CHUNK_MIN_LINKS
-# links (query tokens x documents) to amortize its two launches; the first chunks' buffers are the front of dD's own
-# storage (see _dd_chunks), so only the last ones take SCATTER_CHUNK_BYTES of their own. A large step's peak memory
-# is then its gradients and saved argmax, not an fp32 copy of dD on top (twice dD's size). The chunks cost GPU time:
-# most of their atomics run without the gather beside them. H200, in-process, training step 256x256 Lq32 Ld300 (a
-# 37.5 MiB buffer; docs/performance.md v58): 0.875 -> 1.007 ms, peak 63.0 -> 27.9 MiB; equal 3 MiB chunks, none in
-# dD, had taken 1.05 ms (6 MiB 1.00, 12 MiB 0.98; peak 31.9 / 34.9 / 41.0 MiB with the int32 argmax).
+# summed a chunk of documents at a time, in two fp32 buffers in turn: the front of dD's own storage, not yet
+# written, and one of its own of at most SCATTER_CHUNK_BYTES (see _dd_chunks); each chunk's cast into dD runs in the
+# next chunk's atomics launch (_chunk_steps), the first chunk's atomics in the dQ gather's launch. Chunking needs
+# chunks of at least SCATTER_CHUNK_MIN_LINKS links (query tokens x documents) in the own buffer, to amortize the
+# launches. A large step's peak memory is then its gradients and saved argmax, not an fp32 copy of dD on top (twice
+# dD's size). The chunks cost GPU time: most of their atomics run without the gather beside them. Training step
+# 256x256 Lq32 Ld300 (a 37.5 MiB buffer; docs/performance.md v58, v61), in-process, unchunked -> chunked: H200
+# 0.855 -> 0.931 ms, H100 0.958 -> 0.983 ms, peak 63.0 -> 27.9 MiB (v58's chunks, each cast in a launch of its own
+# and the chunks in dD before those in their own buffer: H200 1.014 ms, H100 1.075 ms).
 SCATTER_BUFFER_MAX_BYTES = 32 << 20
 # Each program of the fast cross product's dD atomics adds one query-token block into this many documents (its
 # query rows loaded once, every document's argmax and weight before the first atomic; backward.py's
-# _dd_atomics_program). A power of two.
+# _dd_atomics_program). A power of two. H200, backward main launch (the gather and the atomics) GPU time, 1 -> 2 -> 4
+# -> 8 documents: 64x64 Lq32 Ld1024 57.1 -> 36.4 -> 36.3 -> 36.6 us, 64x64 Lq23 Ld333 dim 96 32.1 -> 20.0 -> 22.1 ->
+# 22.2 us, 256x256 Ld300 (with the first chunk) 213.6 -> 145.6 -> 148.2 -> 148.9 us; 32x32 Lq1024 Ld1024 unchanged
+# (174.4 -> 173.4 -> 172.6 -> 171.8 us).
 SCATTER_DOCS = 2
 SCATTER_CHUNK_BYTES = 3 << 20
 SCATTER_CHUNK_MIN_LINKS = 1 << 17
