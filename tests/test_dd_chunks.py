@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import check_parity, make_inputs, seed_of, triton_usable
+from helpers import assert_matches_reference, check_parity, lib_forward_backward, make_inputs, seed_of, triton_usable
 
 import maxsim
 
@@ -36,6 +36,40 @@ def test_chunked_atomics_match_the_reference(chunk_docs, fused, device, monkeypa
     # (1: chunks of 2, 1, 1, 1, 1, 1 documents, in dD, own buffer, dD, then the own buffer three times; 2: 2, 2, 1,
     # 2 in dD and the own buffer in turn; 3: 2 in dD, then 3 and 2 in the own buffer)
     assert (plan.dd_chunks, plan.fused_sc) == (launch._dd_chunks(7, chunk_docs)[0], bool(fused))
+
+
+@pytest.mark.parametrize(
+    ("chunked", "normalize", "poison"), [(True, False, "nan"), (False, False, "inf"), (False, True, "nan")]
+)
+def test_atomics_ignore_poisoned_masked_tokens(chunked, normalize, poison, device, monkeypatch):
+    """The atomics load a block's query rows once for several documents, before knowing which tokens chose
+    anything: NaN / inf in masked query and document tokens must still reach neither the scores nor the gradients
+    (chunked or not, with normalize), and masked tokens get a zero gradient."""
+    if not triton_usable(device):
+        pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
+    from maxsim.kernels import launch
+
+    monkeypatch.setattr(launch, "SHARED_OWNER_MAX_WORK", 0)
+    monkeypatch.setattr(launch, "SHARED_OWNER_MAX_ROWS", 0)
+    if chunked:
+        monkeypatch.setattr(launch, "SCATTER_BUFFER_MAX_BYTES", 0)
+        monkeypatch.setattr(launch, "SCATTER_CHUNK_BYTES", 6 * 32 * 4)
+        monkeypatch.setattr(launch, "SCATTER_CHUNK_MIN_LINKS", 0)
+    clean = make_inputs("cross", 3, 7, 9, 6, 32, dtype=torch.bfloat16, device=device, masks="holes",
+                        seed=seed_of("poisoned atomics"))  # fmt: skip
+    value = float("nan") if poison == "nan" else float("inf")
+    Q, D = clean.Q.clone(), clean.D.clone()
+    Q[~clean.q_mask] = value
+    D[~clean.d_mask] = value
+    launch._bplans.clear()
+    with maxsim.backend("triton"):
+        s, dQ, dD, grad = lib_forward_backward(clean.with_(Q=Q, D=D), normalize=normalize, backward="fast")
+    plan = next(iter(launch._bplans.values()))
+    launch._bplans.clear()
+    assert not plan.dd_owned and bool(plan.dd_chunks) == chunked
+    assert_matches_reference(clean, s, dQ, dD, grad, normalize=normalize)
+    assert bool((dQ[~clean.q_mask] == 0).all()), "masked (poisoned) query tokens got a gradient"
+    assert bool((dD[~clean.d_mask] == 0).all()), "masked (poisoned) document tokens got a gradient"
 
 
 def test_no_chunks_for_a_buffer_under_the_cap(device, monkeypatch):
