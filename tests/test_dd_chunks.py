@@ -18,7 +18,7 @@ def test_chunked_atomics_match_the_reference(chunk_docs, fused, device, monkeypa
     tokens (contended atomics): the reference's gradients, and the plan says it chunked."""
     if not triton_usable(device):
         pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
-    from maxsim.kernels import launch
+    from maxsim.kernels import dd_chunks, launch
 
     monkeypatch.setattr(launch, "SHARED_OWNER_MAX_WORK", 0)
     monkeypatch.setattr(launch, "SHARED_OWNER_MAX_ROWS", 0)
@@ -35,7 +35,7 @@ def test_chunked_atomics_match_the_reference(chunk_docs, fused, device, monkeypa
     launch._bplans.clear()
     # (1: chunks of 2, 1, 1, 1, 1, 1 documents, in dD, own buffer, dD, then the own buffer three times; 2: 2, 2, 1,
     # 2 in dD and the own buffer in turn; 3: 2 in dD, then 3 and 2 in the own buffer)
-    assert (plan.dd_chunks, plan.fused_sc) == (launch._dd_chunks(7, chunk_docs)[0], bool(fused))
+    assert (plan.dd_chunks, plan.fused_sc) == (dd_chunks.chunk_plan(7, chunk_docs)[0], bool(fused))
 
 
 @pytest.mark.parametrize(
@@ -113,11 +113,11 @@ def test_chunk_plan_covers_every_document_once_and_its_launches_never_overlap(K,
     buffer that is zero (fresh, or cleared by an earlier launch's cast) and that no cast of the same launch reads,
     clears or writes; an in-dD buffer never overlaps rows already written; every chunk is cast once, after its
     atomics, into rows that nothing else in that launch touches."""
-    from maxsim.kernels import launch
+    from maxsim.kernels import dd_chunks
 
     if K == 1:  # (a chunk plan needs docs < K)
         return
-    chunks, tail = launch._dd_chunks(K, docs)
+    chunks, tail = dd_chunks.chunk_plan(K, docs)
     covered = sorted(d for k0, n, _ in chunks for d in range(k0, k0 + n))
     assert covered == list(range(K))
     done = K
@@ -141,7 +141,7 @@ def test_chunk_plan_covers_every_document_once_and_its_launches_never_overlap(K,
     written: list[tuple] = []
     added, cast = set(), []
     launches = [(0, None, 0)] if fused_first else []
-    launches += list(launch._chunk_steps(chunks, fused_first))
+    launches += list(dd_chunks.chunk_steps(chunks, fused_first))
     for scatter, c, clear in launches:
         touched = []
         if c is not None:

@@ -26,6 +26,7 @@ from .configs import (
     forward_config,
     streaming_config,
 )
+from .dd_chunks import chunk_plan, chunk_steps
 from .forward import maxsim_fwd_kernel
 from .launcher import INTERPRETER, Launcher
 from .sizes import cdiv, next_power_of_2
@@ -72,14 +73,14 @@ SORTED_DD_WARPS = 1
 FUSED_SCATTER = 1
 # The fp32 buffer the fast cross product's dD atomics add into holds at most SCATTER_BUFFER_MAX_BYTES: beyond, dD is
 # summed a chunk of documents at a time, in two fp32 buffers in turn: the front of dD's own storage, not yet
-# written, and one of its own of at most SCATTER_CHUNK_BYTES (see _dd_chunks); each chunk's cast into dD runs in the
-# next chunk's atomics launch (_chunk_steps), the first chunk's atomics in the dQ gather's launch. Chunking needs
-# chunks of at least SCATTER_CHUNK_MIN_LINKS links (query tokens x documents) in the own buffer, to amortize the
-# launches. A large step's peak memory is then its gradients and saved argmax, not an fp32 copy of dD on top (twice
-# dD's size). The chunks cost GPU time: most of their atomics run without the gather beside them. Training step
-# 256x256 Lq32 Ld300 (a 37.5 MiB buffer; docs/performance.md v58, v61), in-process, unchunked -> chunked: H200
-# 0.855 -> 0.931 ms, H100 0.958 -> 0.983 ms, peak 63.0 -> 27.9 MiB (v58's chunks, each cast in a launch of its own
-# and the chunks in dD before those in their own buffer: H200 1.014 ms, H100 1.075 ms).
+# written, and one of its own of at most SCATTER_CHUNK_BYTES (see dd_chunks.chunk_plan); each chunk's cast into dD
+# runs in the next chunk's atomics launch (dd_chunks.chunk_steps), the first chunk's atomics in the dQ gather's
+# launch. Chunking needs chunks of at least SCATTER_CHUNK_MIN_LINKS links (query tokens x documents) in the own
+# buffer, to amortize the launches. A large step's peak memory is then its gradients and saved argmax, not an fp32
+# copy of dD on top (twice dD's size). The chunks cost GPU time: most of their atomics run without the gather beside
+# them. Training step 256x256 Lq32 Ld300 (a 37.5 MiB buffer; docs/performance.md v58, v61), in-process, unchunked
+# -> chunked: H200 0.855 -> 0.931 ms, H100 0.958 -> 0.983 ms, peak 63.0 -> 27.9 MiB (v58's chunks, each cast in a
+# launch of its own and the chunks in dD before those in their own buffer: H200 1.014 ms, H100 1.075 ms).
 SCATTER_BUFFER_MAX_BYTES = 32 << 20
 # Each program of the fast cross product's dD atomics adds one query-token block into this many documents (its
 # query rows loaded once, every document's argmax and weight before the first atomic; backward.py's
@@ -619,10 +620,10 @@ class _BackwardPlan(NamedTuple):
     main: tuple  # (grid, ints, constexprs) of the maxsim_bwd_kernel launch: the dQ gather and/or the owned dD
     dq_sc: tuple | None  # the scatter launches (dQ of a long pair list, dD of a large fast cross product)
     dd_sc: tuple | None  # (None with the owner, or with the atomics in the main launch: FUSED_SCATTER)
-    dd_chunks: tuple  # chunks of the atomics (see _dd_chunks; empty: all at once)
+    dd_chunks: tuple  # chunks of the atomics (see dd_chunks.chunk_plan; empty: all at once)
     dd_tail: int  # documents of the chunks' own buffer (0: none)
     fused_sc: bool  # the atomics (of the first chunk) run in the main launch
-    chunk_steps: tuple  # the chunks' launches after the main one (see _chunk_steps)
+    chunk_steps: tuple  # the chunks' launches after the main one (see dd_chunks.chunk_steps)
     chunk_launches: list  # the launcher's plan cache of each of those launches
     direct_d: bool  # dD comes out in D's dtype without a cast
     dd_sorted: tuple | None  # (n_links, K, Lq, Ld, ints, constexprs, warps) of the sorted gather (dd_gather.py)
@@ -743,11 +744,11 @@ def _backward_plan(
     chunkable = shared and not dd_owned and not sorted_dd and not normalize and D.element_size() == 2
     if chunkable and K * doc_bytes > SCATTER_BUFFER_MAX_BYTES and sg.d_kind != OFFSETS:
         docs = max(1, SCATTER_CHUNK_BYTES // doc_bytes, cdiv(SCATTER_CHUNK_MIN_LINKS, Nq * Lq))
-        dd_chunks, dd_tail = _dd_chunks(K, docs) if docs < K else ((), 0)
+        dd_chunks, dd_tail = chunk_plan(K, docs) if docs < K else ((), 0)
     fused_sc = not dd_owned and not sorted_dd and bool(FUSED_SCATTER)
     sc_lo, sc_n = dd_chunks[0][:2] if dd_chunks else (0, K)  # (the main launch's atomics: all, or the first chunk)
     n_dsc = _scatter_grid(Nq, sc_n, n_tb) if fused_sc else 0
-    steps = _chunk_steps(dd_chunks, fused_sc) if dd_chunks else ()
+    steps = chunk_steps(dd_chunks, fused_sc) if dd_chunks else ()
     dd_sc = (
         None
         if dd_owned or (fused_sc and not dd_chunks) or sorted_dd
@@ -798,54 +799,9 @@ def _scatter_grid(Nq: int, n_docs: int, n_tb: int) -> int:
     return Nq * cdiv(n_docs, SCATTER_DOCS) * n_tb
 
 
-def _dd_chunks(K: int, docs: int) -> tuple[tuple[tuple[int, int, bool], ...], int]:
-    """The chunks ``(first document, documents, in dD)`` of a chunked dD of ``K`` documents, and the documents of
-    the chunks' own fp32 buffer (0: none), whose chunks hold ``docs`` documents at most.
-
-    dD's own storage holds half the chunks' fp32 buffers: while documents ``[0, R)`` are not summed yet, their
-    16-bit rows (2 bytes per element of a row) can hold the fp32 sums (4 bytes) of the last ``R // 3`` of them at
-    their front, which then overlap neither those documents' rows, where the cast writes them, nor the rows of the
-    chunk before (a chunk of the own buffer, above them). The chunks alternate between the two buffers, each taking
-    its documents from the end of those left: a third of them in dD (the first, the largest, shares the dQ
-    gather's launch), then ``docs`` in the own buffer, and so on. So each chunk's cast can run in the launch of the
-    next chunk's atomics (``_chunk_steps``), and the own buffer is never more than ``docs`` documents."""
-    chunks, left, in_dd = [], K, True
-    while left:
-        n = left // 3 if in_dd and left >= 3 else min(docs, left)
-        chunks.append((left - n, n, in_dd and left >= 3))
-        left -= n
-        in_dd = not chunks[-1][2]
-    tail = max((n for _, n, in_dd in chunks if not in_dd), default=0)
-    return tuple(chunks), tail
-
-
-def _chunk_steps(chunks: tuple, fused_first: bool) -> tuple[tuple[int | None, int | None, int], ...]:
-    """The launches that sum ``chunks`` after the main launch (which adds the first one when ``fused_first``):
-    ``(chunk whose atomics it runs, chunk it casts, documents its cast clears)``, either of the first two None.
-
-    A chunk's cast runs in the next chunk's atomics launch when the two chunks use different buffers (else in a
-    launch of its own, before it); it clears the documents of the next chunk to use its buffer, which always adds
-    in a later launch. The last chunk's cast is a launch of its own."""
-
-    def clear(j: int) -> int:
-        later = [n for _k0, n, in_dd in chunks[j + 1 :] if in_dd == chunks[j][2]]
-        return later[0] if later else 0
-
-    steps = []
-    for i in range(len(chunks)):
-        prev = i - 1 if i else None
-        fuse = prev is not None and chunks[prev][2] != chunks[i][2]
-        if prev is not None and not fuse:
-            steps.append((None, prev, clear(prev)))
-        scatter = None if i == 0 and fused_first else i
-        if scatter is not None or fuse:
-            steps.append((scatter, prev if fuse else None, clear(prev) if fuse else 0))
-    steps.append((None, len(chunks) - 1, 0))
-    return tuple(steps)
-
-
 def _front_buffer(gd: Tensor, chunk: tuple[int, int, bool]) -> Tensor:
-    """The fp32 buffer of an in-dD chunk (``_dd_chunks``): the front of dD's (16-bit) storage, one chunk's size."""
+    """The fp32 buffer of an in-dD chunk (``dd_chunks.chunk_plan``): the front of dD's (16-bit) storage, one
+    chunk's size."""
     _k0, n, _in_dd = chunk
     row = gd.shape[-2] * gd.shape[-1]
     return gd.view(-1)[: 2 * n * row].view(torch.float32)
