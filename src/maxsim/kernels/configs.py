@@ -116,7 +116,8 @@ def streaming_config(cfg: ForwardConfig) -> ForwardConfig:
     Lq64 Ld512 dim 64: 56.1, 45.1, 48.3)."""
     wide = cfg.BLOCK_K >= 128 and cfg.BQ * cfg.TQ <= 32
     bn = STREAM_WIDE_BLOCK_N if wide else STREAM_NARROW_BLOCK_N
-    return replace(cfg, BLOCK_N=bn, num_warps=STREAM_NUM_WARPS, persist=STREAM_PERSIST)
+    warps = STREAM_NUM_WARPS if cfg.BLOCK_K >= 128 else STREAM_NARROW_NUM_WARPS
+    return replace(cfg, BLOCK_N=bn, num_warps=warps, persist=STREAM_PERSIST, maxnreg=STREAM_MAXNREG)
 
 
 # Module settings, for tools/knobs.py. H100 (docs/performance.md v50): 128-token tiles at 128 dims 1x1000 Ld300 37.5 ->
@@ -128,7 +129,9 @@ def streaming_config(cfg: ForwardConfig) -> ForwardConfig:
 STREAM_WIDE_BLOCK_N = 64
 STREAM_NARROW_BLOCK_N = 32
 STREAM_NUM_WARPS = 4
+STREAM_NARROW_NUM_WARPS = 2
 STREAM_PERSIST = 0
+STREAM_MAXNREG = 0
 
 
 def deep_pipeline_config(cfg: ForwardConfig) -> ForwardConfig:
