@@ -12,7 +12,7 @@ import torch
 from helpers import INTERPRET, int_grid, rand_mask, randn
 
 from maxsim import maxsim, maxsim_varlen, reference, set_backend
-from maxsim.kernels import launch, launcher
+from maxsim.kernels import configs, launch, launcher
 from maxsim.kernels.configs import forward_config
 
 pytestmark = pytest.mark.skipif(
@@ -52,6 +52,7 @@ CASES = {
     "one query, documents of one token": ((1, 5, 32), (1, 4, 1, 32)),
     "candidates": ((3, 12, 32), (3, 4, 70, 32)),
     "candidates, queries of 64 rows": ((2, 40, 32), (2, 3, 70, 32)),
+    "candidates, 128 dims": ((2, 12, 128), (2, 3, 70, 128)),  # (the wide loop: 64-token tiles, 4 warps)
 }
 
 
@@ -102,15 +103,16 @@ def test_streaming_varlen_with_empty_documents(device, monkeypatch, any_size):
     assert (s[0, [1, 4]] == 0).all()
 
 
-def _stream_flags(monkeypatch, call) -> list[bool]:
-    """The ``STREAM_D`` flag of every forward launch ``call`` makes (launches recorded, not run)."""
-    flags: list[bool] = []
+def _stream_flags(monkeypatch, call, warps: bool = False) -> list:
+    """The ``STREAM_D`` flag of every forward launch ``call`` makes (launches recorded, not run); ``warps``: pairs
+    ``(STREAM_D, num_warps)``."""
+    flags: list = []
 
     def record(
         self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0, foreign=None
     ):
         if self.kernel.__name__ == "maxsim_fwd_kernel":
-            flags.append(constexprs["STREAM_D"])
+            flags.append((constexprs["STREAM_D"], num_warps) if warps else constexprs["STREAM_D"])
 
     with monkeypatch.context() as m:
         m.setattr(launcher.Launcher, "__call__", record)
@@ -159,3 +161,25 @@ def test_streaming_chosen_where_the_rule_says(what, streams, monkeypatch):
     else:
         flags = _stream_flags(monkeypatch, lambda: maxsim(Q, D, d_mask=d_mask))
     assert flags == [streams]
+
+
+@pytest.mark.parametrize(
+    "dim, n_q, lq, warps",
+    [
+        (48, 1, 32, configs.STREAM_NARROW_NUM_WARPS),  # (one dim chunk of 64: 32-token tiles)
+        (64, 2, 32, configs.STREAM_NARROW_NUM_WARPS),
+        (128, 2, 32, configs.STREAM_NUM_WARPS),
+        (128, 2, 48, configs.STREAM_NUM_WARPS),  # (64-row queries: 32-token tiles, but 128 dims)
+    ],
+)
+def test_streaming_warps_follow_the_width(dim, n_q, lq, warps, monkeypatch):
+    """Streamed scans of at most 64 dims run ``STREAM_NARROW_NUM_WARPS`` warps, wider ones ``STREAM_NUM_WARPS``
+    (H200: 2 warps took dim 48 from 39.3 to 35.4 us, but 64-row queries at 128 dims from 65 to 92)."""
+    monkeypatch.setattr(launch, "STREAM_L2_RANGE", (0.0, math.inf))
+    Q = torch.randn(n_q, lq, dim, dtype=torch.float16)
+    D = torch.randn(n_q, 3, 50, dim, dtype=torch.float16)
+    if INTERPRET:
+        set_backend("triton")
+    else:
+        Q, D = Q.cuda(), D.cuda()
+    assert _stream_flags(monkeypatch, lambda: maxsim(Q, D), warps=True) == [(True, warps)]

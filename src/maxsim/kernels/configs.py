@@ -113,7 +113,10 @@ def streaming_config(cfg: ForwardConfig) -> ForwardConfig:
     tiles 36.8 us, 32-token 47.1, persistent 36.5; candidates 32x100 Ld256 83.9 against 87.0 for the table's
     persistent 32-token walk; 1x1000 Ld1024 dim 48: 32-token tiles 44.7, 64 48.2, 128 46.9). Queries of 64 rows take
     32-token tiles at any width (H100, candidates 64x20 Lq64 Ld300: 16-token tiles 51.8 us, 32 45.4, 64 48.2; 16x100
-    Lq64 Ld512 dim 64: 56.1, 45.1, 48.3)."""
+    Lq64 Ld512 dim 64: 56.1, 45.1, 48.3). Scans of at most 64 dims run 2 warps, below the 4 that Hopper's
+    warpgroup MMA needs, so their small tiles go through the register MMA without a trip through shared memory
+    (H200, in-process: 1x1000 Ld1024 dim 48 39.3 -> 35.4 us, candidates 16x100 Lq23 Ld333 dim 48 0.85x; H100: all
+    such rows 1.00-1.01x); wider scans keep 4 (64-row queries at 128 dims with 2 warps: H200 1.41x slower)."""
     wide = cfg.BLOCK_K >= 128 and cfg.BQ * cfg.TQ <= 32
     bn = STREAM_WIDE_BLOCK_N if wide else STREAM_NARROW_BLOCK_N
     warps = STREAM_NUM_WARPS if cfg.BLOCK_K >= 128 else STREAM_NARROW_NUM_WARPS
@@ -125,7 +128,9 @@ def streaming_config(cfg: ForwardConfig) -> ForwardConfig:
 # (<= 64 dims) 64- or 128-token tiles: candidates 128x7 Ld1024 dim 64 50.7 -> 54.0 / 54.3, 1x1000 Ld1024 dim 48
 # 45.2 -> 48.4 / 47.2; persistent streaming programs (STREAM_PERSIST 2 / 4 / 8 a multiprocessor): candidates 32x100
 # 83.8 -> 87.3 / 106.7 / 94.5 us, 32x50 37.6 -> 36.9 / 38.2 / 39.5, 1x1000 Ld300 37.0 -> 36.5 / 44.1 / 37.2,
-# candidates 128x7 Ld1024 dim 64 50.6 -> 92.3 / 60.2 / 50.6.
+# candidates 128x7 Ld1024 dim 64 50.6 -> 92.3 / 60.2 / 50.6. H200 (v62): 32-token tiles at 128 dims 1.17-1.57x
+# slower, 2 warps at 128 dims 0.99-1.01x, register caps (STREAM_MAXNREG 96 / 80) 1.25-2.19x slower (spills), 8 warps
+# 1.12-1.24x; narrow scans with 1 warp behind 2 on both dim-48 rows (37.8 against 35.4 us, 28.7 against 27.7).
 STREAM_WIDE_BLOCK_N = 64
 STREAM_NARROW_BLOCK_N = 32
 STREAM_NUM_WARPS = 4
