@@ -224,3 +224,69 @@ def test_few_program_rules(monkeypatch):
     assert (n, length) == (10, 512) and n * length >= 5000 > (n - 1) * length
     monkeypatch.setattr(launch, "DOC_SPLIT_PROGRAMS_PER_SM", 0)
     assert launch._doc_chunks(1, 2048, 128, dev) == (1, 0)
+
+
+def test_stream_chunk_rule(monkeypatch):
+    """Streamed scans take chunks (STREAM_CHUNK_*) only where they cut the waves' cost by STREAM_CHUNK_MIN_GAIN:
+    waves of STREAM_CHUNK_RESIDENT programs a multiprocessor times (tiles a program + STREAM_CHUNK_OVERHEAD); ties
+    go to the longer chunks; chunks are whole tiles and cover the document. Off with STREAM_CHUNK_RESIDENT = 0."""
+    monkeypatch.setattr(launch, "_sm_count", lambda device: 132)
+    dev = torch.device("cpu")
+    monkeypatch.setattr(launch, "STREAM_CHUNK_RESIDENT", 0)
+    assert launch._stream_chunks(1600, 180, 64, dev) == (1, 0)
+    monkeypatch.setattr(launch, "STREAM_CHUNK_RESIDENT", 4)  # (528 slots)
+    monkeypatch.setattr(launch, "STREAM_CHUNK_MIN_GAIN", 1.05)
+    monkeypatch.setattr(launch, "STREAM_CHUNK_OVERHEAD", 0.0)
+    # candidates 32x50 Ld180: 4 waves of 3 tiles (12) against 10 waves of 1 (10)
+    assert launch._stream_chunks(1600, 180, 64, dev) == (3, 64)
+    # candidates 32x100 Ld256: 7 waves of 4 tiles (28), 13 of 2 (26), 25 of 1 (25)
+    assert launch._stream_chunks(3200, 256, 64, dev) == (4, 64)
+    # 1x1000 Ld1024: 2 waves of 16 tiles (32) against 31 of 1 (31): under the gain
+    assert launch._stream_chunks(1000, 1024, 64, dev) == (1, 0)
+    # 1x1000 Ld300, 5 tiles: 2 waves of 5 (10), the best already
+    assert launch._stream_chunks(1000, 300, 64, dev) == (1, 0)
+    # 2 programs of 10 tiles on 8 slots: one wave either way, so the shortest chunks that keep it one wave (4 each:
+    # 3 tiles, the last chunk 1)
+    monkeypatch.setattr(launch, "_sm_count", lambda device: 2)
+    n, length = launch._stream_chunks(2, 300, 32, dev)
+    assert (n, length) == (4, 96) and n * length >= 300 > (n - 1) * length
+    monkeypatch.setattr(launch, "STREAM_CHUNK_OVERHEAD", 0.5)
+    monkeypatch.setattr(launch, "_sm_count", lambda device: 132)
+    assert launch._stream_chunks(1600, 180, 64, dev) == (1, 0)  # 14 against 15
+    monkeypatch.setattr(launch, "STREAM_CHUNK_MIN_GAIN", 1.5)
+    assert launch._stream_chunks(3200, 256, 64, dev) == (1, 0)
+
+
+def test_stream_chunks_only_for_streamed_dense_scans_and_exact(device, monkeypatch):
+    """The rule chunks streamed inference scans of dense documents (candidates here, masks with holes, a NaN in a
+    late chunk), bitwise as the whole scan on integer data; not fp32 scans or the training forward (not streamed),
+    nor documents of their own lengths (padded candidates: the waves are not the rule's)."""
+    keep_under_interpreter(True, "triton", device)
+    layouts = _layouts(device, DTYPE, int_grid, True)
+    monkeypatch.setattr(launch, "_sm_count", lambda device: 1)
+    monkeypatch.setattr(launch, "DOC_SPLIT_PROGRAMS_PER_SM", 0)  # (the few-program rule off)
+    monkeypatch.setattr(launch, "STREAM_CHUNK_OVERHEAD", 0.0)
+
+    def run(resident: int, name: str, grad: bool = False, fp32: bool = False):
+        Q, D, call, _ref = layouts[name]
+        if fp32:
+            Q, D = Q.float(), D.float()
+        monkeypatch.setattr(launch, "STREAM_CHUNK_RESIDENT", resident)
+        launch._plans.clear()
+        if grad:
+            s = call(Q.detach().requires_grad_(), D.detach().requires_grad_())
+        else:
+            with torch.no_grad():
+                s = call(Q, D)
+        plans = [(p.constexprs["STREAM_D"], p.n_dsplit) for p in launch._plans.values()]
+        return s, plans
+
+    whole, plain = run(0, "candidates")
+    # 6 programs of 10 tiles (32-token tiles at 16 dims), 4 slots: 2 waves of 10 tiles (20) against 3 waves of 5
+    split, chunked = run(4, "candidates")
+    assert plain == [(True, 1)] and chunked == [(True, 2)]
+    assert torch.isnan(split).any() and not torch.isnan(split).all()
+    torch.testing.assert_close(split, whole, rtol=0, atol=0, equal_nan=True)
+    assert run(4, "candidates", fp32=True)[1] == [(False, 1)]  # (fp32 tiles do not stream)
+    assert run(4, "candidates", grad=True)[1] == [(False, 1)]
+    assert run(4, "padded")[1] == [(True, 1)]

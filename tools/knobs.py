@@ -38,7 +38,7 @@ def _owner(name: str) -> tuple[object, str]:
     return MODULES[module or "launch"], attr
 
 
-def parse_variant(text: str) -> tuple[str, dict[str, int]]:
+def parse_variant(text: str) -> tuple[str, dict[str, float]]:
     """``label:NAME=VALUE,NAME=VALUE`` -> ``(label, {NAME: int(VALUE)})``; ``NAME`` is a setting of ``launch`` or,
     written ``configs.NAME``, of the launch table (``layout.NAME``: of maxsim.layout)."""
     label, _, assigns = text.partition(":")
@@ -48,7 +48,10 @@ def parse_variant(text: str) -> tuple[str, dict[str, int]]:
         module, attr = _owner(name)
         if not hasattr(module, attr):
             raise SystemExit(f"no setting {name!r}")
-        settings[name] = int(value, 0)
+        try:
+            settings[name] = int(value, 0)
+        except ValueError:  # (a float setting: launch.STREAM_CHUNK_OVERHEAD=0.25)
+            settings[name] = float(value)
     return label, settings
 
 
