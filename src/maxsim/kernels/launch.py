@@ -175,7 +175,9 @@ DOC_SPLIT_MIN_TILES = 4
 # whole waves of it predict their times (31.7 us for 32x50, 66.8 for 32x100); the work alone, 24 and 58 us, is what a
 # read-only stream takes (24.1, 56.3). With STREAM_CHUNK_RESIDENT > 0 such a scan takes the chunk length (in tiles)
 # that minimizes waves x (tiles a program + STREAM_CHUNK_OVERHEAD), if that beats whole documents by
-# STREAM_CHUNK_MIN_GAIN; the chunks' row maxima are folded as DOC_SPLIT's are. Off (0) until measured.
+# STREAM_CHUNK_MIN_GAIN; the chunks' row maxima are folded as DOC_SPLIT's are. Off (0) until measured. The chunked
+# 128-dim variant compiles to 140 registers (sm_90, Triton 3.9; the whole scan 128), three programs a multiprocessor
+# instead of four, unless capped (configs.STREAM_MAXNREG = 128: 125 registers, no spills without a document mask).
 STREAM_CHUNK_RESIDENT = 0
 STREAM_CHUNK_OVERHEAD = 0.5
 STREAM_CHUNK_MIN_GAIN = 1.05
