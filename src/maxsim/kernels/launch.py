@@ -171,7 +171,7 @@ DOC_SPLIT_MIN_TILES = 4
 # Streamed scans of dense documents (STREAM_D) run one document per program, every program as long as the next, so
 # they finish in waves of STREAM_CHUNK_RESIDENT programs a multiprocessor, the last one ragged: candidates 32x50
 # (1600 programs of 3 tiles, 528 slots on an H100 / H200 at 4 a multiprocessor) take 4 waves for 3.03 waves of
-# work. H200 (docs/performance.md v62): per-program time ~ the same across the once-read rows (6-7 GB/s a program), and
+# work. H200 (docs/performance.md v62): a program moves 5.8-6.9 GB/s on each once-read row, and
 # whole waves of it predict their times (31.7 us for 32x50, 66.8 for 32x100); the work alone, 24 and 58 us, is what a
 # read-only stream takes (24.1, 56.3). With STREAM_CHUNK_RESIDENT > 0 such a scan takes the chunk length (in tiles)
 # that minimizes waves x (tiles a program + STREAM_CHUNK_OVERHEAD), if that beats whole documents by
