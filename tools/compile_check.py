@@ -203,7 +203,6 @@ def main() -> None:
                         launch.forward(Q, Dl, qm, dml, normalize, False)
                         for n, v in zip(names, before, strict=True):
                             setattr(launch, n, v)
-                        launch._INTERPRETER_SMS = 1
                         launch._plans.clear()
                         a = torch.zeros(Q.shape[0], D.shape[1], lq, dtype=torch.int32)
                         g = torch.ones(Q.shape[0], D.shape[1])
