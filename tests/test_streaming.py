@@ -170,11 +170,13 @@ def test_streaming_chosen_where_the_rule_says(what, streams, monkeypatch):
         (64, 2, 32, configs.STREAM_NARROW_NUM_WARPS),
         (128, 2, 32, configs.STREAM_NUM_WARPS),
         (128, 2, 48, configs.STREAM_NUM_WARPS),  # (64-row queries: 32-token tiles, but 128 dims)
+        (32, 2, 40, configs.STREAM_NUM_WARPS),  # (64-row queries: their row sums in the pipelined loop's order)
     ],
 )
 def test_streaming_warps_follow_the_width(dim, n_q, lq, warps, monkeypatch):
-    """Streamed scans of at most 64 dims run ``STREAM_NARROW_NUM_WARPS`` warps, wider ones ``STREAM_NUM_WARPS``
-    (H200: 2 warps took dim 48 from 39.3 to 35.4 us, but 64-row queries at 128 dims from 65 to 92)."""
+    """Streamed scans of at most 64 dims and 32 query rows run ``STREAM_NARROW_NUM_WARPS`` warps, the others
+    ``STREAM_NUM_WARPS`` (H200: 2 warps took dim 48 from 39.3 to 35.4 us, but 64-row queries at 128 dims from 65
+    to 92, and 64-row ones at 32 dims summed their rows in another order than the pipelined loop)."""
     monkeypatch.setattr(launch, "STREAM_L2_RANGE", (0.0, math.inf))
     Q = torch.randn(n_q, lq, dim, dtype=torch.float16)
     D = torch.randn(n_q, 3, 50, dim, dtype=torch.float16)

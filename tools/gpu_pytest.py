@@ -71,7 +71,8 @@ def main() -> int:
         for line in lines:  # the short summary's lines: the device tool may not return every log
             if line.startswith(("FAILED", "ERROR")):
                 print("  " + line)
-                failed.append(line.split()[1])
+                # (a test id may hold spaces: "FAILED tests/x.py::t[a, b] - message")
+                failed.append(line.split(" ", 1)[1].split(" - ", 1)[0])
         worst = max(worst, rc)
     if failed and worst == 1:
         # Tests that time the host (the CLI's two-minute budget) can fail only because the shards share the CPUs:

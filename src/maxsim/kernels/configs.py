@@ -116,10 +116,12 @@ def streaming_config(cfg: ForwardConfig) -> ForwardConfig:
     Lq64 Ld512 dim 64: 56.1, 45.1, 48.3). Scans of at most 64 dims run 2 warps, below the 4 that Hopper's
     warpgroup MMA needs, so their small tiles go through the register MMA without a trip through shared memory
     (H200, in-process: 1x1000 Ld1024 dim 48 39.3 -> 35.4 us, candidates 16x100 Lq23 Ld333 dim 48 0.85x; H100: all
-    such rows 1.00-1.01x); wider scans keep 4 (64-row queries at 128 dims with 2 warps: H200 1.41x slower)."""
-    wide = cfg.BLOCK_K >= 128 and cfg.BQ * cfg.TQ <= 32
-    bn = STREAM_WIDE_BLOCK_N if wide else STREAM_NARROW_BLOCK_N
-    warps = STREAM_NUM_WARPS if cfg.BLOCK_K >= 128 else STREAM_NARROW_NUM_WARPS
+    such rows 1.00-1.01x) if their queries fill at most 32 rows; wider scans keep 4 (64-row queries at 128 dims
+    with 2 warps: H200 1.41x slower), and so do 64-row queries at any width: their row sums, spread over 2 warps
+    instead of the pipelined loop's 4, would add in another order (H200: scores 1 ulp apart, normalized)."""
+    thin = cfg.BQ * cfg.TQ <= 32
+    bn = STREAM_WIDE_BLOCK_N if cfg.BLOCK_K >= 128 and thin else STREAM_NARROW_BLOCK_N
+    warps = STREAM_NARROW_NUM_WARPS if cfg.BLOCK_K < 128 and thin else STREAM_NUM_WARPS
     return replace(cfg, BLOCK_N=bn, num_warps=warps, persist=STREAM_PERSIST, maxnreg=STREAM_MAXNREG)
 
 
