@@ -1,6 +1,7 @@
 """The forward's streaming tile loop (``STREAM_D``: document tiles read by one program alone, prefetched into
-registers with an evict-first hint) computes exactly what the pipelined loop computes, bit for bit, and is chosen
-only where launch.py's rule says (see ``launch.STREAM_ONCE_READ``)."""
+registers with an evict-first hint) computes exactly what the pipelined loop computes, bit for bit (normalized
+scores within 2 ulp: their rows' sum follows the tile's layout), and is chosen only where launch.py's rule says (see
+``launch.STREAM_ONCE_READ``)."""
 
 from __future__ import annotations
 
@@ -40,8 +41,11 @@ def _forward(Q, D, d_mask, normalize, stream: int, cfg, monkeypatch):
     return launch.forward(Q, D, None, d_mask, normalize, False, cfg=cfg)
 
 
-def _assert_bitwise(a, b):
-    torch.testing.assert_close(a[0], b[0], rtol=0, atol=0, equal_nan=True)
+def _assert_bitwise(a, b, normalize: bool = False):
+    """Scores (and argmax) bit for bit; ``normalize``: scores within 2 ulp. Normalized row maxima are not integers,
+    and the rows' sum runs in the order of the MMA tile's layout, which the loops' tile widths set (H200: 64-row
+    queries, 32-token streamed tiles against the persistent table's 64: 4 of 6 scores 1 ulp apart)."""
+    torch.testing.assert_close(a[0], b[0], rtol=2.5e-7 if normalize else 0, atol=0, equal_nan=True)
     if a[1] is not None:
         assert torch.equal(a[1], b[1])
 
@@ -77,7 +81,7 @@ def test_streaming_matches_pipelined_loop(case, normalize, masked, device, monke
         monkeypatch.setattr(launch, "_sm_count", lambda device: 1)  # (persist=2: programs walk several documents)
         plain = _forward(Q, D, d_mask, normalize, 0, cfg, monkeypatch)
         streamed = _forward(Q, D, d_mask, normalize, 1, cfg, monkeypatch)
-        _assert_bitwise(plain, streamed)
+        _assert_bitwise(plain, streamed, normalize)
         assert _stream_flags(
             monkeypatch, lambda cfg=cfg: launch.forward(Q, D, None, d_mask, normalize, False, cfg=cfg)
         ) == [True]

@@ -193,16 +193,6 @@ def main() -> None:
                         launch.forward(Q, Dl, qm, dml, normalize, True)
                         launch.forward(Q, Dl, qm, dml, normalize, False)
                         launch.DEEP_PIPELINE_MIN_LD, launch.DOC_SPLIT_MIN_TILES = few
-                        # streamed scans in chunks (launch.STREAM_CHUNK_*), which the deep pipeline otherwise takes
-                        names = ("STREAM_CHUNK_RESIDENT", "STREAM_CHUNK_OVERHEAD", "DEEP_PIPELINE",
-                                 "DOC_SPLIT_PROGRAMS_PER_SM")  # fmt: skip
-                        before = [getattr(launch, n) for n in names]
-                        for n, v in zip(names, (1, 0.0, 0, 0), strict=True):
-                            setattr(launch, n, v)
-                        launch._plans.clear()
-                        launch.forward(Q, Dl, qm, dml, normalize, False)
-                        for n, v in zip(names, before, strict=True):
-                            setattr(launch, n, v)
                         launch._plans.clear()
                         a = torch.zeros(Q.shape[0], D.shape[1], lq, dtype=torch.int32)
                         g = torch.ones(Q.shape[0], D.shape[1])

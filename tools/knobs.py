@@ -50,7 +50,7 @@ def parse_variant(text: str) -> tuple[str, dict[str, float]]:
             raise SystemExit(f"no setting {name!r}")
         try:
             settings[name] = int(value, 0)
-        except ValueError:  # (a float setting: launch.STREAM_CHUNK_OVERHEAD=0.25)
+        except ValueError:  # (a float setting)
             settings[name] = float(value)
     return label, settings
 

@@ -168,19 +168,10 @@ DEEP_PIPELINE_MIN_SHARED = 160 << 10
 DOC_SPLIT_BELOW = 4
 DOC_SPLIT_PROGRAMS_PER_SM = 1
 DOC_SPLIT_MIN_TILES = 4
-# Streamed scans of dense documents (STREAM_D) run one document per program, every program as long as the next, so
-# they finish in waves of STREAM_CHUNK_RESIDENT programs a multiprocessor, the last one ragged: candidates 32x50
-# (1600 programs of 3 tiles, 528 slots on an H100 / H200 at 4 a multiprocessor) take 4 waves for 3.03 waves of
-# work. H200 (docs/performance.md v62): a program moves 5.8-6.9 GB/s on each once-read row, and
-# whole waves of it predict their times (31.7 us for 32x50, 66.8 for 32x100); the work alone, 24 and 58 us, is what a
-# read-only stream takes (24.1, 56.3). With STREAM_CHUNK_RESIDENT > 0 such a scan takes the chunk length (in tiles)
-# that minimizes waves x (tiles a program + STREAM_CHUNK_OVERHEAD), if that beats whole documents by
-# STREAM_CHUNK_MIN_GAIN; the chunks' row maxima are folded as DOC_SPLIT's are. Off (0) until measured. The chunked
-# 128-dim variant compiles to 140 registers (sm_90, Triton 3.9; the whole scan 128), three programs a multiprocessor
-# instead of four, unless capped (configs.STREAM_MAXNREG = 128: 125 registers, no spills without a document mask).
-STREAM_CHUNK_RESIDENT = 0
-STREAM_CHUNK_OVERHEAD = 0.5
-STREAM_CHUNK_MIN_GAIN = 1.05
+# Not for streamed scans of many short documents, whose last wave is ragged (candidates 32x50: 1600 programs of 3
+# tiles on 528 slots): H200, in-process (docs/performance.md v63), 1-tile chunks by programs of their own 1.30-1.38x
+# slower; persistent programs over even ranges of each row's tiles, the cut documents folded, 1.01x (1x1000 Ld1024
+# 1.07x), i.e. the last wave's few programs take more than their share of the bandwidth, not a wave's time.
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -409,8 +400,7 @@ def forward_keeping_norms(
             need_argmax, torch.get_float32_matmul_precision() if Q.dtype == torch.float32 else None, _ragged_key(rg),
             PRENORM_MIN_ROW_BLOCKS, PRENORM_MIN_QUERY_BLOCKS, PRENORM_UNSHARED, STREAM_ONCE_READ, STREAM_L2_RANGE,
             STREAM_MASKED_MIN_BLOCK_K, STREAM_UNSHARED_MAX_ROWS, DEEP_PIPELINE, DEEP_PIPELINE_MIN_LD, DOC_SPLIT_BELOW,
-            DOC_SPLIT_PROGRAMS_PER_SM, DOC_SPLIT_MIN_TILES, STREAM_CHUNK_RESIDENT, STREAM_CHUNK_OVERHEAD,
-            STREAM_CHUNK_MIN_GAIN,
+            DOC_SPLIT_PROGRAMS_PER_SM, DOC_SPLIT_MIN_TILES,
         )  # fmt: skip
         plan = _plans.get(key)
         if plan is not None:
@@ -457,8 +447,6 @@ def forward_keeping_norms(
     n_dsplit, chunk_len = 1, 0
     if docs_per_prog == 1:
         n_dsplit, chunk_len = _doc_chunks(n_programs, Ld, cfg.BLOCK_N, Q.device)
-        if n_dsplit == 1 and stream and sg.d_kind == DENSE and not sg.pairs:
-            n_dsplit, chunk_len = _stream_chunks(n_programs, Ld, cfg.BLOCK_N, Q.device)
     norms_given = normalize and (
         n_rsplit >= PRENORM_MIN_ROW_BLOCKS
         or (n_qblocks >= PRENORM_MIN_QUERY_BLOCKS if shared else bool(PRENORM_UNSHARED))
@@ -520,25 +508,6 @@ def _doc_chunks(n_programs: int, Ld: int, block_n: int, device: torch.device) ->
         return 1, 0
     chunk_tiles = cdiv(tiles, n)
     return cdiv(tiles, chunk_tiles), chunk_tiles * block_n
-
-
-def _stream_chunks(n_programs: int, Ld: int, block_n: int, device: torch.device) -> tuple[int, int]:
-    """``(chunks, tokens per chunk)`` for a streamed scan of ``n_programs`` dense documents of ``Ld`` tokens (one
-    program per document and row block): ``(1, 0)`` unless shorter chunks waste less of the last wave (see
-    STREAM_CHUNK_*)."""
-    if not STREAM_CHUNK_RESIDENT:
-        return 1, 0
-    slots = _sm_count(device) * STREAM_CHUNK_RESIDENT
-    tiles = cdiv(Ld, block_n)
-
-    def cost(chunk_tiles: int) -> float:
-        waves = cdiv(n_programs * cdiv(tiles, chunk_tiles), slots)
-        return waves * (chunk_tiles + STREAM_CHUNK_OVERHEAD)
-
-    best = min(range(tiles, 0, -1), key=cost)  # (ties: the longest chunks, the fewest programs)
-    if best == tiles or cost(tiles) < STREAM_CHUNK_MIN_GAIN * cost(best):
-        return 1, 0
-    return cdiv(tiles, best), best * block_n
 
 
 def _deep_pipelined(n_programs: int, cfg: ForwardConfig, Ld: int, D: Tensor) -> bool:
