@@ -92,15 +92,24 @@ def test_no_chunks_for_a_buffer_under_the_cap(device, monkeypatch):
             check_parity(inp, normalize=normalize, backward="fast", seed=4)
         assert len(next(iter(launch._bplans.values())).dd_chunks) == want, (dtype, normalize)
     inp = make_inputs("cross", 2, 3, 5, 6, 32, dtype=torch.bfloat16, device=device)
-    # all 3 documents within the cap; or chunks that would hold fewer links than SCATTER_CHUNK_MIN_LINKS, grown
-    # to the 3 documents (2 queries x 5 tokens each): one launch
-    for cap, min_links in ((3 * 6 * 32 * 4, 0), (0, 2 * 5 * 3)):
+    # all 3 documents within the cap; chunks that would hold fewer links than SCATTER_CHUNK_MIN_LINKS, grown to the
+    # 3 documents (2 queries x 5 tokens each): one launch; grown to 2 documents, past both the cap and the chunk
+    # size of 1 document: not chunked either (the own buffer would hold 2 of the 3)
+    doc = 6 * 32 * 4
+    for cap, chunk, min_links in ((3 * doc, 2 * doc, 0), (0, 2 * doc, 2 * 5 * 3), (doc, doc, 2 * 5 * 2)):
         monkeypatch.setattr(launch, "SCATTER_BUFFER_MAX_BYTES", cap)
+        monkeypatch.setattr(launch, "SCATTER_CHUNK_BYTES", chunk)
         monkeypatch.setattr(launch, "SCATTER_CHUNK_MIN_LINKS", min_links)
         launch._bplans.clear()
         with maxsim.backend("triton"):
             check_parity(inp, backward="fast")
         assert next(iter(launch._bplans.values())).dd_chunks == (), (cap, min_links)
+    # (the same with a chunk size of 2 documents: chunked, the own buffer within it)
+    monkeypatch.setattr(launch, "SCATTER_CHUNK_BYTES", 2 * doc)
+    launch._bplans.clear()
+    with maxsim.backend("triton"):
+        check_parity(inp, backward="fast")
+    assert len(next(iter(launch._bplans.values())).dd_chunks) == 2
     launch._bplans.clear()
 
 

@@ -72,15 +72,18 @@ SORTED_DD_WARPS = 1
 # off-matrix dim 96 41 -> 34 us; training steps 0.95x, 0.98x, 0.94x, and 64x64 Ld1024 (host-bound) 0.87x.
 FUSED_SCATTER = 1
 # The fp32 buffer the fast cross product's dD atomics add into holds at most SCATTER_BUFFER_MAX_BYTES: beyond, dD is
-# summed a chunk of documents at a time, in two fp32 buffers in turn: the front of dD's own storage, not yet
-# written, and one of its own of at most SCATTER_CHUNK_BYTES (see dd_chunks.chunk_plan); each chunk's cast into dD
-# runs in the next chunk's atomics launch (dd_chunks.chunk_steps), the first chunk's atomics in the dQ gather's
-# launch. Chunking needs chunks of at least SCATTER_CHUNK_MIN_LINKS links (query tokens x documents) in the own
-# buffer, to amortize the launches. A large step's peak memory is then its gradients and saved argmax, not an fp32
-# copy of dD on top (twice dD's size). The chunks cost GPU time: most of their atomics run without the gather beside
-# them. Training step 256x256 Lq32 Ld300 (a 37.5 MiB buffer; docs/performance.md v58, v61), in-process, unchunked
-# -> chunked: H200 0.855 -> 0.931 ms, H100 0.958 -> 0.983 ms, peak 63.0 -> 27.9 MiB (v58's chunks, each cast in a
-# launch of its own and the chunks in dD before those in their own buffer: H200 1.014 ms, H100 1.075 ms).
+# summed a chunk of documents at a time, in two fp32 buffers in turn: the front of dD's own storage, not yet written,
+# and one of its own of at most SCATTER_CHUNK_BYTES (see dd_chunks.chunk_plan); each chunk's cast into dD runs in the
+# next chunk's atomics launch (dd_chunks.chunk_steps), the first chunk's atomics in the dQ gather's launch. Chunking
+# needs chunks of at least SCATTER_CHUNK_MIN_LINKS links (query tokens x documents) in the own buffer, to amortize the
+# launches, and is dropped where that grows the own buffer past SCATTER_BUFFER_MAX_BYTES: few queries against many
+# documents save little for the launches (H200, cross 7x1000 Lq23 Ld333 dim 96, a 128 MB buffer, 667 documents a chunk:
+# step 390 -> 528 us for 183 -> 144 MiB; docs/performance.md v64). A large step's peak memory is then its gradients and
+# saved argmax, not an fp32 copy of dD on top (twice dD's size). The chunks cost GPU time: most of their atomics run
+# without the gather beside them. Training step 256x256 Lq32 Ld300 (a 37.5 MiB buffer; docs/performance.md v58, v61),
+# in-process, unchunked -> chunked: H200 0.855 -> 0.931 ms, H100 0.958 -> 0.983 ms, peak 63.0 -> 27.9 MiB (v58's
+# chunks, each cast in a launch of its own and the chunks in dD before those in their own buffer: H200 1.014 ms, H100
+# 1.075 ms).
 SCATTER_BUFFER_MAX_BYTES = 32 << 20
 # Each program of the fast cross product's dD atomics adds one query-token block into this many documents (its
 # query rows loaded once, every document's argmax and weight before the first atomic; backward.py's
@@ -749,6 +752,8 @@ def _backward_plan(
     if chunkable and K * doc_bytes > SCATTER_BUFFER_MAX_BYTES and sg.d_kind != OFFSETS:
         docs = max(1, SCATTER_CHUNK_BYTES // doc_bytes, cdiv(SCATTER_CHUNK_MIN_LINKS, Nq * Lq))
         dd_chunks, dd_tail = chunk_plan(K, docs) if docs < K else ((), 0)
+        if dd_tail * doc_bytes > max(SCATTER_BUFFER_MAX_BYTES, SCATTER_CHUNK_BYTES):
+            dd_chunks, dd_tail = (), 0  # (chunks grown past the cap by SCATTER_CHUNK_MIN_LINKS: see there)
     fused_sc = not dd_owned and not sorted_dd and bool(FUSED_SCATTER)
     sc_lo, sc_n = dd_chunks[0][:2] if dd_chunks else (0, K)  # (the main launch's atomics: all, or the first chunk)
     n_dsc = _scatter_grid(Nq, sc_n, n_tb) if fused_sc else 0
