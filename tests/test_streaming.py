@@ -56,6 +56,7 @@ CASES = {
     "one query, documents of one token": ((1, 5, 32), (1, 4, 1, 32)),
     "candidates": ((3, 12, 32), (3, 4, 70, 32)),
     "candidates, queries of 64 rows": ((2, 40, 32), (2, 3, 70, 32)),
+    "one query of 64 rows": ((1, 40, 32), (1, 4, 70, 32)),
     "candidates, 128 dims": ((2, 12, 128), (2, 3, 70, 128)),  # (the wide loop: 64-token tiles, 4 warps)
 }
 
@@ -134,7 +135,7 @@ def _stream_flags(monkeypatch, call, warps: bool = False) -> list:
         ("one query, shared documents", True),
         ("candidates", True),
         ("candidates, queries of 64 rows", True),
-        ("one query of 64 rows, shared documents", False),  # (measured: gains too small and not everywhere)
+        ("one query of 64 rows, shared documents", True),  # (H100 / H200 1x5000 Lq64 Ld180: 0.98x / 0.97x)
         ("document mask", True),
         ("document mask, 64 dims", False),  # (tiles too short to hide the mask's latency)
         ("fp32", False),  # (two fp32 tiles in registers spill)

@@ -144,12 +144,14 @@ ONE_DOC_GAIN = 1.3
 # 1x1000 Ld300 40.2 -> 38.2 us, candidates 32x50 40.5 -> 37.8, 32x100 86.0 -> 79.8 (prefix masks), but dim 48 in
 # 32-token tiles 48.9 -> 60.2 (a tile's work too short to hide the mask's latency): masked scans stream from
 # STREAM_MASKED_MIN_BLOCK_K dims up. A query's own documents stream for queries of up to STREAM_UNSHARED_MAX_ROWS
-# rows (33-64 tokens: 32-token tiles, configs.streaming_config), shared documents for blocks of 32 rows only. H100,
+# rows (33-64 tokens: 32-token tiles, configs.streaming_config), shared documents for STREAM_SHARED_MAX_ROWS. H100,
 # in-process (`.devdata` sweep, docs/performance.md v49): candidates 64x20 Lq64 Ld300 53.2 -> 45.4 us, 32x100 Lq48
 # Ld256 95.9 -> 82.2, 16x100 Lq64 Ld512 dim 64 60.5 -> 45.1, but pairs 1000 Lq64 Ld333 dim 96 42.0 -> 43.6; one
-# query of 64 rows against shared documents gains less and not everywhere (1x1000 Ld300 41.2 -> 40.7, 1x5000 Ld180
-# 93.0 -> 91.6, 2 queries of 32 packed 41.7 -> 40.7, out of the byte range 1x2000 Lq48 Ld1024 179 -> 189).
+# query of 64 rows against shared documents gains less (1x1000 Ld300 41.2 -> 40.7, 1x5000 Ld180 93.0 -> 91.6, 2
+# queries of 32 packed 41.7 -> 40.7; out of the byte range, where the rule does not stream, 1x2000 Lq48 Ld1024 179 ->
+# 189), H200 (v66, tools/knobs.py): 1x5000 Ld180 78.4 -> 76.2 us, so shared documents stream for 64 rows too.
 STREAM_UNSHARED_MAX_ROWS = 64
+STREAM_SHARED_MAX_ROWS = 64
 STREAM_ONCE_READ = 1
 STREAM_L2_RANGE = (0.5, 7.0)
 STREAM_MASKED_MIN_BLOCK_K = 128
@@ -402,8 +404,8 @@ def forward_keeping_norms(
             None if q_mask is None else q_mask.stride(), None if d_mask is None else d_mask.stride(), normalize,
             need_argmax, torch.get_float32_matmul_precision() if Q.dtype == torch.float32 else None, _ragged_key(rg),
             PRENORM_MIN_ROW_BLOCKS, PRENORM_MIN_QUERY_BLOCKS, PRENORM_UNSHARED, STREAM_ONCE_READ, STREAM_L2_RANGE,
-            STREAM_MASKED_MIN_BLOCK_K, STREAM_UNSHARED_MAX_ROWS, DEEP_PIPELINE, DEEP_PIPELINE_MIN_LD, DOC_SPLIT_BELOW,
-            DOC_SPLIT_PROGRAMS_PER_SM, DOC_SPLIT_MIN_TILES,
+            STREAM_MASKED_MIN_BLOCK_K, STREAM_UNSHARED_MAX_ROWS, STREAM_SHARED_MAX_ROWS, DEEP_PIPELINE,
+            DEEP_PIPELINE_MIN_LD, DOC_SPLIT_BELOW, DOC_SPLIT_PROGRAMS_PER_SM, DOC_SPLIT_MIN_TILES,
         )  # fmt: skip
         plan = _plans.get(key)
         if plan is not None:
@@ -538,7 +540,7 @@ def _streams(
     if masked and cfg.BLOCK_K < STREAM_MASKED_MIN_BLOCK_K:
         return False
     rows = cfg.BQ * cfg.TQ
-    thin = rows <= 32 or (not shared and rows <= STREAM_UNSHARED_MAX_ROWS)
+    thin = rows <= (STREAM_SHARED_MAX_ROWS if shared else STREAM_UNSHARED_MAX_ROWS)
     return cfg.NUM_K == 1 and thin and lo <= nbytes / _l2_bytes(D.device) <= hi
 
 
