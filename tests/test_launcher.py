@@ -99,6 +99,18 @@ def test_long_query_forwards_share_one_uncapped_configuration():
     assert all(forward_config(lq, 128, n, s).maxnreg == 0 for lq in (32, 1024) for n in (1, 256) for s in (True, False))
 
 
+def test_blocks_of_long_queries_leave_no_query_slot_empty():
+    """65-128-token queries against shared documents pack as many queries a block as leave the fewest empty slots
+    (compute-bound blocks: an empty slot costs what a full one does); shorter queries pack as many as fit."""
+    from maxsim.kernels.configs import forward_config
+
+    assert [forward_config(100, 96, n, True).BQ for n in (1, 2, 3, 4, 5, 6, 7, 8)] == [1, 2, 1, 2, 1, 2, 1, 2]
+    assert forward_config(100, 96, 3, True).TQ == 128
+    assert forward_config(32, 128, 3, True).BQ == 4  # (three 32-token queries: one block of four)
+    assert forward_config(64, 128, 3, True).BQ == 4
+    assert forward_config(100, 96, 3, False).BQ == 1  # (candidates: one query a block anyway)
+
+
 def test_plan_cache_launches_directly_and_follows_alignment(fake_gpu):
     """A caller's plan cache (fixed integers, constexprs and dtypes) is keyed by the tensors' alignments: the second
     launch is direct, a misaligned tensor goes back through Triton (its own variant), then is direct too."""

@@ -48,6 +48,7 @@ CROSS_CASES = [
     (2, 3, 32, 1, 100, "empty", True),
     (1, 2, 200, 17, 16, "holes", False),  # long query: one program per 128-row block, partial scores summed
     (3, 2, 150, 9, 16, "holes", True),  # long queries in the cross product (packed blocks walk several rows)
+    (3, 2, 100, 9, 96, "holes", False),  # three 100-token queries: one a block (no block of two half empty)
 ]
 
 # (Nq, K, Lq, Ld, dim, masks, normalize)

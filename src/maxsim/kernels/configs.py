@@ -47,6 +47,13 @@ def _dim_split(dim: int) -> tuple[int, int]:
     return block_k, dim_p // block_k
 
 
+def _fewest_slots(Nq: int, cap: int) -> int:
+    """The number of queries a block packs, a power of two up to ``cap``, that leaves the fewest empty query slots
+    in the last block; ties go to the larger block (fewer reads of each document)."""
+    sizes = [cap >> i for i in range(cap.bit_length())]
+    return min(sizes, key=lambda b: (-(-Nq // b) * b, -b))
+
+
 @lru_cache(maxsize=256)
 def forward_config(Lq: int, dim: int, Nq: int, shared_docs: bool, fp32: bool = False) -> ForwardConfig:
     """Pick the forward variant (the same with or without the argmax). ``shared_docs``: every query sees the same
@@ -68,6 +75,10 @@ def forward_config(Lq: int, dim: int, Nq: int, shared_docs: bool, fp32: bool = F
     BQ = max(1, min(256 // TQ, next_pow2(Nq))) if shared_docs else 1
     if num_k > 1:
         BQ = max(1, BQ // 2)  # keep the accumulator tiles in registers at dim >= 256
+    if TQ >= PACK_TRIM_MIN_TQ:
+        # Blocks of 128-row queries are compute-bound, and an empty query slot costs what a full one does (H200,
+        # in-process, cross 3x777 Lq100 Ld333 dim 96: two queries a block 85.3 us, one 72.1).
+        BQ = _fewest_slots(Nq, BQ)
     rows = BQ * TQ
     if num_k > 1:
         block_n = 32
@@ -133,6 +144,9 @@ def streaming_config(cfg: ForwardConfig) -> ForwardConfig:
 # candidates 128x7 Ld1024 dim 64 50.6 -> 92.3 / 60.2 / 50.6. H200 (v62): 32-token tiles at 128 dims 1.17-1.57x
 # slower, 2 warps at 128 dims 0.99-1.01x, register caps (STREAM_MAXNREG 96 / 80) 1.25-2.19x slower (spills), 8 warps
 # 1.12-1.24x; narrow scans with 1 warp behind 2 on both dim-48 rows (37.8 against 35.4 us, 28.7 against 27.7).
+# Query rows (TQ) from which blocks pack the queries that leave the fewest empty slots, not the most that fit (64-row
+# queries, whose blocks of 4 are memory-bound as often as not, were not measured).
+PACK_TRIM_MIN_TQ = 128
 STREAM_WIDE_BLOCK_N = 64
 STREAM_NARROW_BLOCK_N = 32
 STREAM_NUM_WARPS = 4
