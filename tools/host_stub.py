@@ -53,7 +53,7 @@ def stub_gpu() -> None:
                 v.kernel = _FakeKernel(v.kernel)
                 v._names = [v.kernel.arg_names[i] for i in v.kernel.constexprs]
     triton_first = lambda x: "triton" if x.dtype != torch.float64 else "torch"  # noqa: E731
-    for name in ("maxsim.functional", "maxsim.ragged"):
+    for name in ("maxsim.functional", "maxsim.ragged", "maxsim.ops"):
         sys.modules[name].choose_impl = triton_first
 
 

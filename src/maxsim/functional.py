@@ -60,6 +60,13 @@ def maxsim(
         float32 scores (float64 for float64 inputs). Ties in the max go to the lowest token index; a NaN among a
         pair's valid tokens makes its score NaN. No host↔device synchronization.
     """
+    repeat = None
+    if q_mask is None and d_mask is None and return_argmax is False:
+        repeat = ops.repeat_key(Q, D, normalize, backward)
+        if repeat is not None:
+            scores = ops.run_repeat(repeat, Q, D)
+            if scores is not None:
+                return scores
     validate.call(Q, D, (2, 3), (2, 3, 4), normalize, backward, return_argmax)
     if D.dim() == 4:
         if Q.dim() != 3:
@@ -76,7 +83,11 @@ def maxsim(
         validate.mask("q_mask", q_mask, Q.shape[:-1], Q.device)
     if d_mask is not None:
         validate.mask("d_mask", d_mask, D.shape[:-1], Q.device)
-    return _run(Q, D, canonical_dense(Q, D, q_mask, d_mask), normalize, backward, return_argmax)
+    canonical = canonical_dense(Q, D, q_mask, d_mask)
+    out = _run(Q, D, canonical, normalize, backward, return_argmax)
+    if repeat is not None:
+        ops.keep_repeat(repeat, Q, D, normalize, canonical[0])
+    return out
 
 
 def maxsim_with_argmax(

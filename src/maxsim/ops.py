@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from . import cpu, cpu_ragged
+from .backend import choose_impl, get_backend
 from .layout import Ragged, Views, accum_dtype, argmax_dtype, dims, view_as_canonical, view_as_given
 
 _launch = None
@@ -28,6 +29,39 @@ def _triton_path():
 
         _launch = launch
     return _launch
+
+
+# ---- repeated inference calls ----------------------------------------------------------------------------------
+# A mask-free scores-only call of maxsim.maxsim whose signature (shapes, strides, dtypes, devices, options, backend)
+# an earlier call had, and which then ran a kept launch plan, was well-formed then and is now: it goes straight to
+# the plan's allocations and launch, without the checks, the layout and the layers between (host time of a tiny
+# forward: see docs/performance.md v67).
+
+
+def repeat_key(Q: object, D: object, normalize: object, backward: object) -> tuple | None:
+    """The signature of a call with these arguments for :func:`run_repeat` and :func:`keep_repeat`; None where the
+    call must take the full path (arguments that are not tensors and options, a graph to record, a compilation)."""
+    if _launch is None:  # (nothing can have been filed before a first Triton call)
+        return None
+    if not (isinstance(Q, Tensor) and isinstance(D, Tensor) and type(normalize) is bool and type(backward) is str):
+        return None
+    if (torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)) or torch.compiler.is_compiling():
+        return None
+    f32 = torch.get_float32_matmul_precision() if Q.dtype is torch.float32 else None
+    return ("repeat", Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype, Q.device, D.device, normalize,
+            backward, get_backend(), f32)  # fmt: skip
+
+
+def run_repeat(key: tuple, Q: Tensor, D: Tensor) -> Tensor | None:
+    """The scores of a repeated call (see above), or None if no earlier call filed its signature."""
+    return _launch.run_repeat(key, Q, D)
+
+
+def keep_repeat(key: tuple, Q: Tensor, D: Tensor, normalize: bool, views: Views) -> None:
+    """After the full path of a call with signature ``key`` (:func:`repeat_key`): file its launch plan, if the
+    Triton path ran and kept one."""
+    if choose_impl(Q) == "triton":
+        _launch.keep_repeat(key, Q, D, normalize, views)
 
 
 def ragged(

@@ -369,6 +369,40 @@ _plans: dict[tuple, _ForwardPlan] = {}
 _MAX_PLANS = 4096
 
 
+def _plan_key(
+    Q: Tensor, D: Tensor, q_mask: Tensor | None, d_mask: Tensor | None, normalize: bool, need_argmax: bool,
+    rg: Ragged | None, views: Views | None,
+) -> tuple:  # fmt: skip
+    """What a forward plan depends on: shapes, strides, dtypes, flags and the module settings (never values)."""
+    return (
+        Q.device, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, views,
+        None if q_mask is None else q_mask.stride(), None if d_mask is None else d_mask.stride(), normalize,
+        need_argmax, torch.get_float32_matmul_precision() if Q.dtype == torch.float32 else None, _ragged_key(rg),
+        PRENORM_MIN_ROW_BLOCKS, PRENORM_MIN_QUERY_BLOCKS, PRENORM_UNSHARED, STREAM_ONCE_READ, STREAM_L2_RANGE,
+        STREAM_MASKED_MIN_BLOCK_K, STREAM_UNSHARED_MAX_ROWS, STREAM_SHARED_MAX_ROWS, DEEP_PIPELINE,
+        DEEP_PIPELINE_MIN_LD, DOC_SPLIT_BELOW, DOC_SPLIT_PROGRAMS_PER_SM, DOC_SPLIT_MIN_TILES,
+    )  # fmt: skip
+
+
+def keep_repeat(key: tuple, Q: Tensor, D: Tensor, normalize: bool, views: Views | None) -> None:
+    """File the plan that a mask-free scores-only forward of ``Q``, ``D`` (the caller's tensors, read through
+    ``views``) has just kept under ``key`` as well: a repeat of the call (see :func:`run_repeat`) then finds it
+    without building the plan's key. Repeat entries live among the plans, so whatever clears the plans (a change
+    of the module settings must) clears them too."""
+    plan = _plans.get(_plan_key(Q, D, None, None, normalize, False, None, views))
+    if plan is not None:
+        _plans[key] = plan
+
+
+def run_repeat(key: tuple, Q: Tensor, D: Tensor) -> Tensor | None:
+    """Scores of a call filed by :func:`keep_repeat` under ``key`` (None if there is no such entry): its
+    allocations and launches only."""
+    plan = _plans.get(key)
+    if plan is None:
+        return None
+    return _run_forward(plan, Q, D, None, None, (Q, Q, Q, Q), False)[0]
+
+
 def forward(*args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
     """Scores and argmax: :func:`forward_keeping_norms` (same arguments) without the inverse norms."""
     scores, argmax, _norms = forward_keeping_norms(*args, **kwargs)
@@ -399,14 +433,7 @@ def forward_keeping_norms(
     costs its allocations and a launch of host work."""
     key = None
     if cfg is None:
-        key = (
-            Q.device, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, views,
-            None if q_mask is None else q_mask.stride(), None if d_mask is None else d_mask.stride(), normalize,
-            need_argmax, torch.get_float32_matmul_precision() if Q.dtype == torch.float32 else None, _ragged_key(rg),
-            PRENORM_MIN_ROW_BLOCKS, PRENORM_MIN_QUERY_BLOCKS, PRENORM_UNSHARED, STREAM_ONCE_READ, STREAM_L2_RANGE,
-            STREAM_MASKED_MIN_BLOCK_K, STREAM_UNSHARED_MAX_ROWS, STREAM_SHARED_MAX_ROWS, DEEP_PIPELINE,
-            DEEP_PIPELINE_MIN_LD, DOC_SPLIT_BELOW, DOC_SPLIT_PROGRAMS_PER_SM, DOC_SPLIT_MIN_TILES,
-        )  # fmt: skip
+        key = _plan_key(Q, D, q_mask, d_mask, normalize, need_argmax, rg, views)
         plan = _plans.get(key)
         if plan is not None:
             return _run_forward(plan, Q, D, q_mask, d_mask, _seg_tensors(Q, rg), need_argmax)

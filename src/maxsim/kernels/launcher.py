@@ -106,5 +106,7 @@ class Launcher:
             if plan_cache is not None:
                 plan_cache[short_key] = hit
         run, function, metadata, values = hit
+        # Pointers as integers: given a tensor, Triton's launcher reads its pointer and has the driver check it
+        # (cuPointerGetAttribute), ~0.15 µs an argument on an H200's host, against ~0.08 for data_ptr() here.
         run(grid, 1, 1, torch._C._cuda_getCurrentRawStream(device), function, metadata, None, None, None,
-            *tensors, *ints, *values)  # fmt: skip
+            *[t.data_ptr() for t in tensors], *ints, *values)  # fmt: skip
