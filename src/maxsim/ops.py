@@ -35,7 +35,7 @@ def _triton_path():
 # A mask-free scores-only call of maxsim.maxsim whose signature (shapes, strides, dtypes, devices, options, backend)
 # an earlier call had, and which then ran a kept launch plan, was well-formed then and is now: it goes straight to
 # the plan's allocations and launch, without the checks, the layout and the layers between (host time of a tiny
-# forward: see docs/performance.md v67).
+# forward: see docs/performance.md v68).
 
 
 def repeat_key(Q: object, D: object, normalize: object, backward: object) -> tuple | None:
