@@ -57,6 +57,22 @@ def test_a_repeat_call_skips_to_the_plan_and_scores_the_same(triton_only, plan_k
     torch.testing.assert_close(again, maxsim_reference(Q2, D2).float(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("shape", ["cross", "candidates", "one query", "one document", "one of each"])
+def test_repeats_of_every_dense_shape_score_as_the_reference(shape, triton_only, plan_keys, device):
+    """The repeat's result comes in the caller's shape (the plan's), squeezed axes included."""
+    for seed in (1, 5):
+        Q, D = _inputs(device, seed=seed)
+        if shape == "candidates":
+            D = torch.stack([D, D.flip(0), D * 2])  # [Nq = 3, K = 4, Ld, dim]
+        Q = Q[0] if shape in ("one query", "one of each") else Q
+        D = D[1] if shape in ("one document", "one of each") else D
+        out = maxsim.maxsim(Q, D)
+        want = maxsim_reference(Q, D).float()
+        assert out.shape == want.shape
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert len(plan_keys) == 2  # (the first call's lookup and filing; the second call is a repeat)
+
+
 @pytest.mark.parametrize(
     "change",
     ["shape", "strides", "dtype", "normalize", "backend", "masks", "argmax", "grad", "squeezed"],
