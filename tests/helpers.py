@@ -80,6 +80,21 @@ def general_cpu_path_only(monkeypatch) -> None:
     monkeypatch.setattr(cpu_small, "MAX_CROSS_SIMS", -1)
 
 
+def spy(monkeypatch, owner, name: str, record=lambda args, out: args, into: list | None = None) -> list:
+    """Wrap ``owner.name`` for the test's duration: each call still returns what the real one does, and appends
+    ``record(args, result)`` to the list returned (``into``, if given, so that several spies share one)."""
+    calls = [] if into is None else into
+    real = getattr(owner, name)
+
+    def wrapper(*args):
+        out = real(*args)
+        calls.append(record(args, out))
+        return out
+
+    monkeypatch.setattr(owner, name, wrapper)
+    return calls
+
+
 def seed_of(*parts) -> int:
     """A stable seed derived from test parameters (not ``hash``, which is salted per process)."""
     return zlib.crc32(repr(parts).encode()) % (2**31)

@@ -23,7 +23,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import general_cpu_path_only
+from helpers import general_cpu_path_only, spy
 from test_ragged import Ragged, build, check_ragged, lib_call, ref_call
 
 import maxsim
@@ -77,16 +77,7 @@ SETTINGS = {
 @pytest.fixture
 def taken(monkeypatch) -> list[bool]:
     """Records whether each call took the regrouped path (it returns None where it does not apply)."""
-    calls: list[bool] = []
-    real = cpu_ragged._pairs_by_query
-
-    def spy(*args):
-        out = real(*args)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(cpu_ragged, "_pairs_by_query", spy)
-    return calls
+    return spy(monkeypatch, cpu_ragged, "_pairs_by_query", lambda args, out: out is not None)
 
 
 def _apply(monkeypatch, setting: str) -> None:

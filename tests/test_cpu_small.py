@@ -19,7 +19,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import general_cpu_path_only
+from helpers import general_cpu_path_only, spy
 from test_cpu_pairs import EXACT_CASES, _random_case
 from test_ragged import Ragged, build, check_ragged, lib_call, ref_call
 
@@ -35,14 +35,7 @@ def taken(monkeypatch) -> list[tuple[str, bool]]:
     """Records, for every forward and backward of the small path, whether it took the call (None: it did not)."""
     calls: list[tuple[str, bool]] = []
     for name in ("forward", "backward"):
-        real = getattr(cpu_small, name)
-
-        def spy(*args, _real=real, _name=name):
-            out = _real(*args)
-            calls.append((_name, out is not None))
-            return out
-
-        monkeypatch.setattr(cpu_small, name, spy)
+        spy(monkeypatch, cpu_small, name, lambda args, out, name=name: (name, out is not None), into=calls)
     return calls
 
 

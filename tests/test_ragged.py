@@ -42,6 +42,7 @@ from helpers import (
     score_magnitude,
     seed_of,
     similarities,
+    spy,
     triton_usable,
     unambiguous_tokens,
     upstream_grad,
@@ -469,14 +470,7 @@ def test_packed_cpu_path(case, keep, chunked, grad, monkeypatch):
     if chunked:
         monkeypatch.setattr(cpu, "BLOCK_BYTES", 256)
         monkeypatch.setattr(cpu_ragged, "PACKED_QUERY_ROWS", 8)
-    taken = []
-    packed = cpu_ragged._packed_cross
-
-    def spy(*args):
-        taken.append(True)
-        return packed(*args)
-
-    monkeypatch.setattr(cpu_ragged, "_packed_cross", spy)
+    taken = spy(monkeypatch, cpu_ragged, "_packed_cross")
     if grad:
         with maxsim.backend("torch"):
             check_ragged(case, "cpu")

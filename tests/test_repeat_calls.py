@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import int_grid, triton_usable
+from helpers import int_grid, spy, triton_usable
 
 import maxsim
 from maxsim import ops
@@ -27,16 +27,8 @@ def plan_keys(monkeypatch):
     from maxsim.kernels import launch
 
     ops._triton_path()  # (before a first Triton call nothing is filed: repeat_key is None)
-    calls = []
-    plan_key = launch._plan_key
-
-    def counting(*args):
-        calls.append(args)
-        return plan_key(*args)
-
-    monkeypatch.setattr(launch, "_plan_key", counting)
     monkeypatch.setattr(launch, "_plans", {})
-    return calls
+    return spy(monkeypatch, launch, "_plan_key")
 
 
 def _inputs(device, nq=3, nd=4, lq=5, ld=9, dim=16, dtype=torch.float16, seed=1):
