@@ -155,6 +155,26 @@ STREAM_PERSIST = 0
 STREAM_MAXNREG = 0
 
 
+def once_read_config(cfg: ForwardConfig, Ld: int) -> ForwardConfig:
+    """``cfg`` for a large once-read scan that runs the table's pipelined loop instead of the stream (launch.py's
+    ONCE_READ_TABLE_L2, dense unmasked documents, one dim chunk of 128): one program per document, asynchronous
+    copies in stages. H200, in-process against the stream (docs/performance.md v73; one 32-row query or a query's
+    own candidates): candidates 32x100 Ld256 66.2 -> 63.1 us with 64-token tiles in 3 stages (128-token in 2: 62.0,
+    but 1x2000 Ld300 1.07x slower), 1x10000 Ld300 190.3 -> 184.5 (against the table's 32-token tiles), 1x1000
+    Ld1024 75.6 -> 74.1 with 128-token tiles in 2 stages (64-token tiles 77.0; 32-token 74.5). Queries of 33-64
+    rows: 32-token tiles in 4 stages, 1x5000 Lq64 Ld180 75.7 -> 69.8, candidates 64x40 Lq64 Ld300 68.3 -> 63.1
+    (64-token tiles in 2 stages 73.9 / 64.4, 8 warps 87.1 / 71.0)."""
+    if cfg.BQ * cfg.TQ > 32:
+        return replace(cfg, BLOCK_N=32, num_stages=4, num_warps=4, persist=0, maxnreg=0)
+    if Ld >= ONCE_READ_LONG_LD:
+        return replace(cfg, BLOCK_N=128, num_stages=2, num_warps=4, persist=0, maxnreg=0)
+    return replace(cfg, BLOCK_N=64, num_stages=3, num_warps=4, persist=0, maxnreg=0)
+
+
+# Documents from which once_read_config's 32-row scans take 128-token tiles (a plan-time bucket: two variants).
+ONCE_READ_LONG_LD = 512
+
+
 def deep_pipeline_config(cfg: ForwardConfig) -> ForwardConfig:
     """``cfg`` for a launch of fewer programs than multiprocessors, each alone on its multiprocessor (launch.py's
     DEEP_PIPELINE): the pipelined tile loop with 128-token tiles in 4 stages, 128 KB of a document in flight per

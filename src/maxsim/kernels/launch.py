@@ -24,6 +24,7 @@ from .configs import (
     backward_config,
     deep_pipeline_config,
     forward_config,
+    once_read_config,
     streaming_config,
 )
 from .dd_chunks import chunk_plan, chunk_steps
@@ -155,6 +156,17 @@ STREAM_SHARED_MAX_ROWS = 64
 STREAM_ONCE_READ = 1
 STREAM_L2_RANGE = (0.5, 7.0)
 STREAM_MASKED_MIN_BLOCK_K = 128
+# Per card (a substring of its name, first match): the L2 sizes beyond which a dense unmasked once-read scan of
+# 16-bit tokens of 65-128 dims (one chunk of 128) runs the table's pipelined loop with
+# configs.once_read_config's tiles instead of the stream, whatever STREAM_L2_RANGE says. On an H200 the stream's one
+# register tile ahead falls behind the asynchronous copies' stages from about twice the L2 (in-process, stream ->
+# table, docs/performance.md v73): candidates 32x75 Ld256 (2.5 L2) 53.6 -> 51.9 us, 32x100 (3.3) 66.2 -> 63.1,
+# 1x1000 Ld1024 (4.2) 75.6 -> 74.1, 1x5000 Lq64 Ld180 (3.7) 75.7 -> 69.8, candidates 64x40 Lq64 (3.1) 68.3 -> 63.1;
+# 1x2000 Ld300 (2.4) 52.4 -> 52.3; below, the stream wins: 1x1500 Ld300 (1.8) 41.7 against 44.1, candidates 64x20
+# Lq64 (1.6) 37.5 against 41.1. Other cards (H100: v38's stream-over-table measurements) keep STREAM_L2_RANGE.
+# ONCE_READ_TABLE = 0 turns the rule off (tools/knobs.py).
+ONCE_READ_TABLE_L2: tuple[tuple[str, float], ...] = (("H200", 2.0),)
+ONCE_READ_TABLE = 1
 # A forward launch of fewer programs than the GPU has multiprocessors (few long documents: 64 pairs of 2048 tokens)
 # is bound by how many bytes each program keeps in flight, one 16 KB tile in the streaming loop, 24 KB in the
 # table's pipelined one: thin row blocks (<= 32 rows, one dim chunk, 16-bit) against documents of at least
@@ -317,6 +329,26 @@ def _shared_bytes(device: torch.device) -> int:
     return _device_value(device, "shared", read, 227 << 10)
 
 
+_card_names: dict[int, str] = {}
+
+
+def _card_name(device: torch.device) -> str:
+    """The CUDA ``device``'s name (``NVIDIA H200``), read once per device; empty where there is no GPU."""
+    if device.type != "cuda":
+        return ""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    name = _card_names.get(idx)
+    if name is None:
+        name = _card_names[idx] = torch.cuda.get_device_name(idx)
+    return name
+
+
+def _once_read_table_l2(device: torch.device) -> float:
+    """The card's ONCE_READ_TABLE_L2 bound (infinite for a card the table does not name)."""
+    name = _card_name(device)
+    return next((bound for key, bound in ONCE_READ_TABLE_L2 if key in name), float("inf"))
+
+
 def _sm_count(device: torch.device) -> int:
     return _device_value(
         device, "sms", lambda i: torch.cuda.get_device_properties(i).multi_processor_count, _INTERPRETER_SMS
@@ -379,7 +411,8 @@ def _plan_key(
         None if q_mask is None else q_mask.stride(), None if d_mask is None else d_mask.stride(), normalize,
         need_argmax, torch.get_float32_matmul_precision() if Q.dtype == torch.float32 else None, _ragged_key(rg),
         PRENORM_MIN_ROW_BLOCKS, PRENORM_MIN_QUERY_BLOCKS, PRENORM_UNSHARED, STREAM_ONCE_READ, STREAM_L2_RANGE,
-        STREAM_MASKED_MIN_BLOCK_K, STREAM_UNSHARED_MAX_ROWS, STREAM_SHARED_MAX_ROWS, DEEP_PIPELINE,
+        STREAM_MASKED_MIN_BLOCK_K, STREAM_UNSHARED_MAX_ROWS, STREAM_SHARED_MAX_ROWS, ONCE_READ_TABLE_L2,
+        ONCE_READ_TABLE, DEEP_PIPELINE,
         DEEP_PIPELINE_MIN_LD, DOC_SPLIT_BELOW, DOC_SPLIT_PROGRAMS_PER_SM, DOC_SPLIT_MIN_TILES,
     )  # fmt: skip
 
@@ -461,9 +494,10 @@ def forward_keeping_norms(
     if from_table and _deep_pipelined(n_programs, cfg, Ld, D):
         cfg = deep_pipeline_config(cfg)
     else:
-        stream = not need_argmax and _streams(sg, shared, n_qblocks, n_rsplit, cfg, D, d_mask is not None)
-        if stream and from_table:
-            cfg = streaming_config(cfg)
+        scan = None if need_argmax else _once_read_scan(sg, shared, n_qblocks, n_rsplit, cfg, D, d_mask is not None)
+        stream = scan == "stream"
+        if scan is not None and from_table:
+            cfg = streaming_config(cfg) if stream else once_read_config(cfg, Ld)
     sqm = (0, 0) if q_mask is None else q_mask.stride()
     sdm = (0, 0, 0) if d_mask is None else ((0 if shared else d_mask.stride(0)),) + d_mask.stride()[1:]
     rows_per_prog = cfg.TQ if n_rsplit > 1 else Lq
@@ -551,24 +585,30 @@ def _deep_pipelined(n_programs: int, cfg: ForwardConfig, Ld: int, D: Tensor) -> 
     return _shared_bytes(D.device) >= DEEP_PIPELINE_MIN_SHARED
 
 
-def _streams(
+def _once_read_scan(
     sg: _Segs, shared: bool, n_qblocks: int, n_rsplit: int, cfg: ForwardConfig, D: Tensor, masked: bool
-) -> bool:  # fmt: skip
-    """Whether the forward scans ``D`` in its ``STREAM_D`` loop (see ``STREAM_ONCE_READ``): every document tile is
-    read by one program alone (a shared document by the only block of query rows, a query's own candidate by its
-    only row split; a pair list may name a document twice), 16-bit tokens in one dim chunk (the loop keeps two
-    tiles in registers), thin row blocks, a document mask only with wide tiles (STREAM_MASKED_MIN_BLOCK_K), and a
-    scan of STREAM_L2_RANGE times the L2's size (masked tokens included: the mask is not read on the host)."""
+) -> str | None:  # fmt: skip
+    """How the scores-only forward reads ``D`` if every document tile is read by one program alone (a shared
+    document by the only block of query rows, a query's own candidate by its only row split; a pair list may name a
+    document twice), 16-bit tokens in one dim chunk, thin row blocks: ``"stream"`` (the ``STREAM_D`` loop; the
+    loop keeps two tiles in registers) for a scan of STREAM_L2_RANGE times the L2's size (masked tokens included:
+    the mask is not read on the host) with a document mask only with wide tiles (STREAM_MASKED_MIN_BLOCK_K),
+    ``"table"`` (the pipelined loop with ``once_read_config``'s tiles) for a dense unmasked scan of one 128-wide
+    chunk beyond the card's ONCE_READ_TABLE_L2, else None (the table's configuration as it is)."""
     readers = n_qblocks * n_rsplit if shared else n_rsplit
-    if not STREAM_ONCE_READ or readers != 1 or sg.pairs or D.element_size() != 2:
-        return False
-    lo, hi = STREAM_L2_RANGE
-    nbytes = D.numel() * D.element_size()
-    if masked and cfg.BLOCK_K < STREAM_MASKED_MIN_BLOCK_K:
-        return False
+    if readers != 1 or sg.pairs or D.element_size() != 2 or cfg.NUM_K != 1:
+        return None
     rows = cfg.BQ * cfg.TQ
-    thin = rows <= (STREAM_SHARED_MAX_ROWS if shared else STREAM_UNSHARED_MAX_ROWS)
-    return cfg.NUM_K == 1 and thin and lo <= nbytes / _l2_bytes(D.device) <= hi
+    if rows > (STREAM_SHARED_MAX_ROWS if shared else STREAM_UNSHARED_MAX_ROWS):
+        return None
+    l2s = D.numel() * D.element_size() / _l2_bytes(D.device)
+    wide_dense = not masked and sg.d_kind == DENSE and cfg.BLOCK_K == 128
+    if ONCE_READ_TABLE and wide_dense and l2s > _once_read_table_l2(D.device):
+        return "table"
+    if not STREAM_ONCE_READ or (masked and cfg.BLOCK_K < STREAM_MASKED_MIN_BLOCK_K):
+        return None
+    lo, hi = STREAM_L2_RANGE
+    return "stream" if lo <= l2s <= hi else None
 
 
 def _run_forward(

@@ -1,0 +1,168 @@
+"""Large once-read scans on cards that ``launch.ONCE_READ_TABLE_L2`` names run the table's pipelined loop with
+``configs.once_read_config``'s tiles instead of the stream: chosen where the rule says, and computing what the
+stream computes (bit for bit on integer data; normalized scores within 2 ulp, their rows' sum following the tile's
+layout)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import INTERPRET, int_grid, rand_mask
+
+from maxsim import maxsim, reference, set_backend
+from maxsim.kernels import configs, launch, launcher
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() or INTERPRET), reason="Triton kernels: a GPU or TRITON_INTERPRET=1"
+)
+
+DTYPE = torch.bfloat16 if torch.cuda.is_available() and not INTERPRET else torch.float16
+H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
+
+
+def _on(device: str) -> None:
+    if INTERPRET and device == "cpu":
+        set_backend("triton")  # (CPU tensors under the interpreter; the conftest restores the backend)
+
+
+@pytest.fixture
+def card(monkeypatch):
+    """``card(name, l2_bytes)``: plans as if on that card with that L2 (plans cleared before and after)."""
+
+    def set_card(name: str, l2_bytes: int) -> None:
+        monkeypatch.setattr(launch, "_card_name", lambda device: name)
+        monkeypatch.setattr(launch, "_l2_bytes", lambda device: l2_bytes)
+        launch._plans.clear()
+
+    yield set_card
+    launch._plans.clear()
+
+
+def _launches(monkeypatch, call) -> list[tuple]:
+    """``(STREAM_D, BLOCK_N, num_stages, num_warps, PERSIST)`` of every forward launch ``call`` makes (recorded,
+    not run)."""
+    seen: list[tuple] = []
+
+    def record(
+        self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0, foreign=None
+    ):
+        if self.kernel.__name__ == "maxsim_fwd_kernel":
+            c = constexprs
+            seen.append((c["STREAM_D"], c["BLOCK_N"], num_stages, num_warps, c["PERSIST"]))
+
+    with monkeypatch.context() as m:
+        m.setattr(launcher.Launcher, "__call__", record)
+        m.setattr(launch, "INTERPRETER", False)
+        launch._plans.clear()
+        with torch.no_grad():
+            call()
+        launch._plans.clear()
+    return seen
+
+
+def _inputs(nq: int, lq: int, nd: int, ld: int, dim: int, own: bool, device: str):
+    Q = torch.randn(nq, lq, dim, dtype=torch.float16, device=device)
+    D = torch.randn(*((nq,) if own else ()), nd, ld, dim, dtype=torch.float16, device=device)
+    return Q, D
+
+
+TABLE_64 = (False, 64, 3, 4, False)  # (64-token tiles, 3 stages, 4 warps, one program a document)
+TABLE_128 = (False, 128, 2, 4, False)
+TABLE_ROWS64 = (False, 32, 4, 4, False)
+
+
+@pytest.mark.parametrize(
+    "what, card_name, l2s, expected",
+    [
+        ("one query", H200, 3.0, TABLE_64),
+        ("one query, long documents", H200, 3.0, TABLE_128),
+        ("candidates", H200, 3.0, TABLE_64),
+        ("one query of 64 rows", H200, 3.0, TABLE_ROWS64),
+        ("candidates of 64-row queries", H200, 3.0, TABLE_ROWS64),
+        ("one query", H200, 1.5, "stream"),  # (under the card's bound: STREAM_L2_RANGE's rule)
+        ("one query", H200, 10.0, TABLE_64),  # (past STREAM_L2_RANGE too)
+        ("one query", H100, 3.0, "stream"),  # (a card the table does not name)
+        ("one query", H100, 10.0, "table as it is"),
+        ("one query, 64 dims", H200, 3.0, "stream"),  # (narrow scans keep the stream)
+        ("one query, document mask", H200, 3.0, "stream"),
+        ("one query, rule off", H200, 3.0, "stream"),
+        ("several query blocks", H200, 3.0, "table as it is"),  # (each tile read by every block)
+        ("training forward", H200, 3.0, "table as it is"),
+    ],
+)
+def test_once_read_table_chosen_where_the_rule_says(what, card_name, l2s, expected, card, device, monkeypatch):
+    _on(device)
+    nq = 40 if what == "several query blocks" else 2 if what.startswith("candidates") else 1
+    lq = 48 if "64 rows" in what or "64-row" in what else 32
+    ld = 600 if "long documents" in what else 50
+    dim = 64 if "64 dims" in what else 128
+    Q, D = _inputs(nq, lq, 3, ld, dim, what.startswith("candidates"), device)
+    d_mask = torch.ones(D.shape[:-1], dtype=torch.bool, device=device) if "mask" in what else None
+    if what.endswith("rule off"):
+        monkeypatch.setattr(launch, "ONCE_READ_TABLE", 0)
+    card(card_name, int(D.numel() * D.element_size() / l2s))
+    if what == "training forward":
+        seen = _launches(monkeypatch, lambda: maxsim(Q, D, return_argmax=True))
+    else:
+        seen = _launches(monkeypatch, lambda: maxsim(Q, D, d_mask=d_mask))
+    assert len(seen) == 1
+    if expected == "stream":
+        assert seen[0][0] is True
+    elif expected == "table as it is":
+        cfg = configs.forward_config(lq, dim, nq, not what.startswith("candidates"))
+        assert seen[0][0] is False and seen[0][1:4] == (cfg.BLOCK_N, cfg.num_stages, cfg.num_warps)
+    else:
+        assert seen[0] == expected
+
+
+CASES = {
+    # name: (Q shape, D shape): one query against shared documents, or each query against its own candidates
+    "one query, partial last tile": ((1, 9, 128), (1, 5, 45, 128)),
+    "one query, long documents": ((1, 20, 96), (1, 2, 530, 96)),  # (128-token tiles: 5 of them, the last partial)
+    "candidates": ((3, 12, 128), (3, 2, 70, 128)),
+    "one query of 64 rows": ((1, 40, 96), (1, 3, 70, 96)),
+    "candidates, queries of 64 rows": ((2, 48, 128), (2, 2, 33, 128)),
+}
+
+
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalized"])
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_once_read_table_matches_the_stream(case, normalize, card, device, monkeypatch):
+    """Integer data (exact ties everywhere: the lowest index wins in both loops), a NaN token and an infinite
+    one: the table's scores equal the stream's, and the float64 reference's."""
+    q_shape, d_shape = CASES[case]
+    Q = int_grid(q_shape, seed=1, dtype=DTYPE, device=device)
+    D = int_grid(d_shape, seed=2, dtype=DTYPE, device=device)
+    D[0, -1, -1, 0] = float("nan")
+    D[-1, 0, 3, 1] = float("inf")
+    shared = d_shape[0] == 1
+    Dc = D[0] if shared else D
+    nbytes = Dc.numel() * Dc.element_size()
+    monkeypatch.setattr(launch, "STREAM_L2_RANGE", (0.0, math.inf))
+    _on(device)
+    runs = {}
+    for name, l2s in (("stream", 1.0), ("table", 3.0)):
+        card(H200, int(nbytes / l2s))
+        expected = True if name == "stream" else False
+        assert [s[0] for s in _launches(monkeypatch, lambda: maxsim(Q, Dc, normalize=normalize))] == [expected]
+        runs[name] = maxsim(Q, Dc, normalize=normalize)
+    torch.testing.assert_close(runs["table"], runs["stream"], rtol=2.5e-7 if normalize else 0, atol=0, equal_nan=True)
+    ref = reference.maxsim(Q.double(), Dc.double(), normalize=normalize)
+    torch.testing.assert_close(runs["table"].double(), ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert torch.isnan(runs["table"][0, -1])
+
+
+def test_once_read_table_with_a_query_mask(card, device, monkeypatch):
+    """A query mask does not change the choice (the documents' bytes do): masked query tokens add 0 in the table's
+    loop too."""
+    Q = int_grid((2, 12, 128), seed=4, dtype=DTYPE, device=device)
+    D = int_grid((2, 3, 70, 128), seed=5, dtype=DTYPE, device=device)
+    q_mask = rand_mask((2, 12), seed=6, p_valid=0.6, device=device)
+    _on(device)
+    card(H200, D.numel() * D.element_size() // 3)
+    seen = _launches(monkeypatch, lambda: maxsim(Q, D, q_mask=q_mask))
+    assert seen == [TABLE_64]
+    out = maxsim(Q, D, q_mask=q_mask)
+    torch.testing.assert_close(out.double(), reference.maxsim(Q.double(), D.double(), q_mask=q_mask), rtol=0, atol=0)
