@@ -194,6 +194,19 @@ def main() -> None:
                         launch.forward(Q, Dl, qm, dml, normalize, False)
                         launch.DEEP_PIPELINE_MIN_LD, launch.DOC_SPLIT_MIN_TILES = few
                         launch._plans.clear()
+                        if not masks and D.element_size() == 2:
+                            # large once-read scans on a card that ONCE_READ_TABLE_L2 names: the table loop with
+                            # configs.once_read_config's tiles (32 and 64 query rows; short and long documents)
+                            card = launch._card_name, launch._l2_bytes
+                            launch._card_name, launch._l2_bytes = (lambda d: "NVIDIA H200"), (lambda d: 1)
+                            launch._INTERPRETER_SMS = 1
+                            for Qo in (Q[:1], torch.randn(1, 48, dim, dtype=dt)):
+                                for ld in (40, 600):
+                                    Do = torch.randn(1, 5, ld, dim, dtype=dt)
+                                    launch._plans.clear()
+                                    launch.forward(Qo, Do, None, None, normalize, False)
+                            launch._card_name, launch._l2_bytes = card
+                            launch._plans.clear()
                         a = torch.zeros(Q.shape[0], D.shape[1], lq, dtype=torch.int32)
                         g = torch.ones(Q.shape[0], D.shape[1])
                         for det in (False, True):
