@@ -95,6 +95,30 @@ def spy(monkeypatch, owner, name: str, record=lambda args, out: args, into: list
     return calls
 
 
+def forward_launches(monkeypatch, call, pick) -> list:
+    """``pick(constexprs, num_warps, num_stages)`` of every forward-kernel launch that ``call`` makes under
+    ``no_grad``, the launches recorded, not run (the interpreter's check off, so a CPU machine plans as a GPU
+    would; plans cleared before and after)."""
+    from maxsim.kernels import launch, launcher
+
+    seen: list = []
+
+    def record(
+        self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0, foreign=None
+    ):
+        if self.kernel.__name__ == "maxsim_fwd_kernel":
+            seen.append(pick(constexprs, num_warps, num_stages))
+
+    with monkeypatch.context() as m:
+        m.setattr(launcher.Launcher, "__call__", record)
+        m.setattr(launch, "INTERPRETER", False)
+        launch._plans.clear()
+        with torch.no_grad():
+            call()
+        launch._plans.clear()
+    return seen
+
+
 def seed_of(*parts) -> int:
     """A stable seed derived from test parameters (not ``hash``, which is salted per process)."""
     return zlib.crc32(repr(parts).encode()) % (2**31)

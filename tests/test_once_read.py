@@ -9,10 +9,10 @@ import math
 
 import pytest
 import torch
-from helpers import INTERPRET, int_grid, rand_mask
+from helpers import INTERPRET, forward_launches, int_grid, rand_mask
 
 from maxsim import maxsim, reference, set_backend
-from maxsim.kernels import configs, launch, launcher
+from maxsim.kernels import configs, launch
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() or INTERPRET), reason="Triton kernels: a GPU or TRITON_INTERPRET=1"
@@ -46,23 +46,9 @@ def card(monkeypatch):
 def _launches(monkeypatch, call) -> list[tuple]:
     """``(STREAM_D, BLOCK_N, num_stages, num_warps, PERSIST)`` of every forward launch ``call`` makes (recorded,
     not run)."""
-    seen: list[tuple] = []
-
-    def record(
-        self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0, foreign=None
-    ):
-        if self.kernel.__name__ == "maxsim_fwd_kernel":
-            c = constexprs
-            seen.append((c["STREAM_D"], c["BLOCK_N"], num_stages, num_warps, c["PERSIST"]))
-
-    with monkeypatch.context() as m:
-        m.setattr(launcher.Launcher, "__call__", record)
-        m.setattr(launch, "INTERPRETER", False)
-        launch._plans.clear()
-        with torch.no_grad():
-            call()
-        launch._plans.clear()
-    return seen
+    return forward_launches(
+        monkeypatch, call, lambda c, warps, stages: (c["STREAM_D"], c["BLOCK_N"], stages, warps, c["PERSIST"])
+    )
 
 
 def _inputs(nq: int, lq: int, nd: int, ld: int, dim: int, own: bool, device: str):

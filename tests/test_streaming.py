@@ -10,10 +10,10 @@ import math
 
 import pytest
 import torch
-from helpers import INTERPRET, int_grid, rand_mask, randn
+from helpers import INTERPRET, forward_launches, int_grid, rand_mask, randn
 
 from maxsim import maxsim, maxsim_varlen, reference, set_backend
-from maxsim.kernels import configs, launch, launcher
+from maxsim.kernels import configs, launch
 from maxsim.kernels.configs import forward_config
 
 pytestmark = pytest.mark.skipif(
@@ -111,22 +111,9 @@ def test_streaming_varlen_with_empty_documents(device, monkeypatch, any_size):
 def _stream_flags(monkeypatch, call, warps: bool = False) -> list:
     """The ``STREAM_D`` flag of every forward launch ``call`` makes (launches recorded, not run); ``warps``: pairs
     ``(STREAM_D, num_warps)``."""
-    flags: list = []
-
-    def record(
-        self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0, foreign=None
-    ):
-        if self.kernel.__name__ == "maxsim_fwd_kernel":
-            flags.append((constexprs["STREAM_D"], num_warps) if warps else constexprs["STREAM_D"])
-
-    with monkeypatch.context() as m:
-        m.setattr(launcher.Launcher, "__call__", record)
-        m.setattr(launch, "INTERPRETER", False)
-        launch._plans.clear()
-        with torch.no_grad():
-            call()
-        launch._plans.clear()
-    return flags
+    return forward_launches(
+        monkeypatch, call, lambda c, num_warps, _stages: (c["STREAM_D"], num_warps) if warps else c["STREAM_D"]
+    )
 
 
 @pytest.mark.parametrize(
