@@ -54,6 +54,12 @@ def _fewest_slots(Nq: int, cap: int) -> int:
     return min(sizes, key=lambda b: (-(-Nq // b) * b, -b))
 
 
+# The long queries' (Lq > 128) tiles at dims up to 128, warps and stages, and the stages of their scores-only
+# forward (module settings, for tools/knobs.py; see scores_only_config).
+LONG_QUERY_BLOCK_N, LONG_QUERY_NUM_WARPS, LONG_QUERY_STAGES = 64, 4, 3
+LONG_QUERY_SCORES_STAGES = 4
+
+
 @lru_cache(maxsize=256)
 def forward_config(Lq: int, dim: int, Nq: int, shared_docs: bool, fp32: bool = False) -> ForwardConfig:
     """Pick the forward variant (the same with or without the argmax). ``shared_docs``: every query sees the same
@@ -69,8 +75,8 @@ def forward_config(Lq: int, dim: int, Nq: int, shared_docs: bool, fp32: bool = F
         # spills since its tile loads lost their row predicate and the row-block loop its nest (H100,
         # docs/performance.md v34: training step of 32x32 Lq1024 Ld1024 830 -> 766 us against 32-token tiles capped
         # at 128 registers, which v20 had preferred when the 64-token loop spilled).
-        bn = 32 if num_k > 1 else 64
-        return ForwardConfig(128, 1, bn, block_k, num_k, 4, 3)
+        bn = 32 if num_k > 1 else LONG_QUERY_BLOCK_N
+        return ForwardConfig(128, 1, bn, block_k, num_k, LONG_QUERY_NUM_WARPS, LONG_QUERY_STAGES)
     TQ = max(16, next_pow2(Lq))
     BQ = max(1, min(256 // TQ, next_pow2(Nq))) if shared_docs else 1
     if num_k > 1:
@@ -165,14 +171,31 @@ def once_read_config(cfg: ForwardConfig, Ld: int) -> ForwardConfig:
     rows: 32-token tiles in 4 stages, 1x5000 Lq64 Ld180 75.7 -> 69.8, candidates 64x40 Lq64 Ld300 68.3 -> 63.1
     (64-token tiles in 2 stages 73.9 / 64.4, 8 warps 87.1 / 71.0)."""
     if cfg.BQ * cfg.TQ > 32:
-        return replace(cfg, BLOCK_N=32, num_stages=4, num_warps=4, persist=0, maxnreg=0)
-    if Ld >= ONCE_READ_LONG_LD:
-        return replace(cfg, BLOCK_N=128, num_stages=2, num_warps=4, persist=0, maxnreg=0)
-    return replace(cfg, BLOCK_N=64, num_stages=3, num_warps=4, persist=0, maxnreg=0)
+        bn, stages = ONCE_READ_WIDE_BLOCK_N, ONCE_READ_WIDE_STAGES
+    elif Ld >= ONCE_READ_LONG_LD:
+        bn, stages = ONCE_READ_LONG_BLOCK_N, ONCE_READ_LONG_STAGES
+    else:
+        bn, stages = ONCE_READ_BLOCK_N, ONCE_READ_STAGES
+    return replace(cfg, BLOCK_N=bn, num_stages=stages, num_warps=4, persist=0, maxnreg=0)
 
 
-# Documents from which once_read_config's 32-row scans take 128-token tiles (a plan-time bucket: two variants).
+# once_read_config's tiles (module settings, for tools/knobs.py): 32-row blocks, the same from documents of
+# ONCE_READ_LONG_LD tokens (a plan-time bucket: two variants), and blocks of 33-64 rows (WIDE).
+ONCE_READ_BLOCK_N, ONCE_READ_STAGES = 64, 3
 ONCE_READ_LONG_LD = 512
+ONCE_READ_LONG_BLOCK_N, ONCE_READ_LONG_STAGES = 128, 2
+ONCE_READ_WIDE_BLOCK_N, ONCE_READ_WIDE_STAGES = 32, 4
+
+
+def scores_only_config(cfg: ForwardConfig, Lq: int) -> ForwardConfig:
+    """``cfg`` for a forward without the argmax, whose running indices would otherwise hold the registers: long
+    queries (``Lq > 128``: 128-row blocks of 16-bit tokens, one 128-wide dim chunk) keep a fourth tile in flight,
+    where the argmax forward keeps three (the same tiles in the same order: the same scores). H200, in-process
+    (docs/performance.md v76), 3 -> 4 stages: ColPali 1x500 Lq1024 Ld1024 0.94x, 1x300 Lq256 Ld700 0.91x, 1x16
+    Lq1024 Ld1024 0.86x; the argmax forward of the 32x32 Lq1024 Ld1024 training step 1.01x (so it keeps 3)."""
+    if Lq > 128 and cfg.TQ == 128 and cfg.BQ == 1 and cfg.BLOCK_K == 128 and cfg.NUM_K == 1:
+        return replace(cfg, num_stages=LONG_QUERY_SCORES_STAGES)
+    return cfg
 
 
 def deep_pipeline_config(cfg: ForwardConfig) -> ForwardConfig:

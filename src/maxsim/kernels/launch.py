@@ -25,6 +25,7 @@ from .configs import (
     deep_pipeline_config,
     forward_config,
     once_read_config,
+    scores_only_config,
     streaming_config,
 )
 from .dd_chunks import chunk_plan, chunk_steps
@@ -498,6 +499,8 @@ def forward_keeping_norms(
         stream = scan == "stream"
         if scan is not None and from_table:
             cfg = streaming_config(cfg) if stream else once_read_config(cfg, Ld)
+        elif from_table and not need_argmax:
+            cfg = scores_only_config(cfg, Lq)
     sqm = (0, 0) if q_mask is None else q_mask.stride()
     sdm = (0, 0, 0) if d_mask is None else ((0 if shared else d_mask.stride(0)),) + d_mask.stride()[1:]
     rows_per_prog = cfg.TQ if n_rsplit > 1 else Lq
