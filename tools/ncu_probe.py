@@ -1,14 +1,18 @@
-"""One scores-only ``maxsim.maxsim`` launch per shape inside a CUDA profiler range, for Nsight Compute (GPU only).
+"""One ``maxsim.maxsim`` call per shape inside a CUDA profiler range, for Nsight Compute (GPU only).
 
 Each shape is called a few times first (compiles and plans outside the range), then once inside it, so ncu with
-``--profile-from-start off`` sees exactly one forward per shape, in the order given. docs/performance.md v71 ran:
+``--profile-from-start off`` sees exactly one call per shape, in the order given. docs/performance.md v71 ran:
 
     ncu --profile-from-start off --clock-control none --cache-control all \\
         --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \\
         --section MemoryWorkloadAnalysis python tools/ncu_probe.py 1x10000x32x300 1x1000x32x300 1x5000x64x180
 
 A shape is ``NQxNDxLQxLD`` (cross product, bf16, dim 128) or ``NQxKxLQxLD:cand`` (each query's own candidates);
-``--dim`` changes the token dimension.
+``--dim`` changes the token dimension. ``--train``: a training step per shape instead (the argmax forward and the
+backward, with a random upstream gradient), e.g. the backward kernel of the small steps (docs/performance.md v77-v80):
+
+    ncu --profile-from-start off --kernel-name maxsim_bwd_kernel --section WarpStateStats \
+        --section SchedulerStats --section SourceCounters python tools/ncu_probe.py --train 32x32x32x80
 """
 
 from __future__ import annotations
@@ -36,25 +40,35 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("shapes", nargs="+", help="NQxNDxLQxLD[:cand]")
     ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--train", action="store_true", help="a training step per shape (forward and backward)")
     args = ap.parse_args()
     calls = []
     for text in args.shapes:
         nq, nd, lq, ld, cand = parse_shape(text)
-        Q = torch.randn(nq, lq, args.dim, device="cuda", dtype=torch.bfloat16)
-        D = torch.randn(*((nq,) if cand else ()), nd, ld, args.dim, device="cuda", dtype=torch.bfloat16)
-        calls.append((text, Q, D))
-    with torch.no_grad():
-        for _text, Q, D in calls:
-            for _ in range(3):
+        Q = torch.randn(nq, lq, args.dim, device="cuda", dtype=torch.bfloat16, requires_grad=args.train)
+        D = torch.randn(*((nq,) if cand else ()), nd, ld, args.dim, device="cuda", dtype=torch.bfloat16,
+                        requires_grad=args.train)  # fmt: skip
+        g = torch.randn(nq, nd, device="cuda")
+        calls.append((text, Q, D, g))
+
+    def call(Q, D, g) -> None:
+        if args.train:
+            torch.autograd.grad(maxsim.maxsim(Q, D), (Q, D), g)
+        else:
+            with torch.no_grad():
                 maxsim.maxsim(Q, D)
-        torch.cuda.synchronize()
-        torch.cuda.cudart().cudaProfilerStart()
-        for text, Q, D in calls:
-            torch.cuda.nvtx.range_push(text)
-            maxsim.maxsim(Q, D)
-            torch.cuda.nvtx.range_pop()
-        torch.cuda.synchronize()
-        torch.cuda.cudart().cudaProfilerStop()
+
+    for _text, Q, D, g in calls:
+        for _ in range(3):
+            call(Q, D, g)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for text, Q, D, g in calls:
+        torch.cuda.nvtx.range_push(text)
+        call(Q, D, g)
+        torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
 
 
 if __name__ == "__main__":

@@ -391,7 +391,7 @@ def _dd_program(
     TQ: tl.constexpr, BN: tl.constexpr, BLOCK_K: tl.constexpr,
     Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr, SHARED_DOCS: tl.constexpr,
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PAIR_SCAN: tl.constexpr,
-    DOC_WALK: tl.constexpr, PROJECT: tl.constexpr,
+    DOC_WALK: tl.constexpr, PROJECT: tl.constexpr, ONE_TQ: tl.constexpr,
 ):  # fmt: skip
     """dD of one (document, token block, dim block), owned: no atomics, a fixed order of the sum (``PROJECT``: the
     block spans ``dim``, and is chained through the normalization of D's rows before it is stored).
@@ -519,7 +519,11 @@ def _dd_program(
             tl.store(out, acc.to(GD.dtype.element_ty), mask=j_store[:, None] & kd_ok[None, :])
     else:
         acc = tl.zeros([BN, BLOCK_K], dtype=tl.float32)
-        n_tq = tl.cdiv(Lq, TQ)
+        # Queries of one token block (ONE_TQ: Lq <= TQ, a constexpr) make each step's entry the step itself: the
+        # 64-bit division and its address arithmetic were a third of the walk's instructions (sm_90 SASS: 357 -> 250
+        # a step at 128 dims), which a program running alone on its scheduler issues one every ~5 cycles (H200,
+        # backward GPU time of the cross products 32x32 Lq32 Ld80 22.7 -> 17.4 us, 64x64 Ld128 46.5 -> 40.5 us).
+        n_tq = 1 if ONE_TQ else tl.cdiv(Lq, TQ)
         # A block of document tokens past the document's end was chosen by no query token: skip the pair walk.
         if jb * BN < d_len:
             # Which pairs scored this document, in a fixed order: every query (shared documents), its one query
@@ -589,7 +593,7 @@ def maxsim_bwd_kernel(
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     DQ_GATHER: tl.constexpr, DD_OWNED: tl.constexpr, SCAN_Q: tl.constexpr, SCAN_D: tl.constexpr,
     DOC_WALK: tl.constexpr, DD_SCATTER: tl.constexpr, PROJECT_Q: tl.constexpr, PROJECT_D: tl.constexpr,
-    DQ_SPLIT: tl.constexpr, SCATTER_DOCS: tl.constexpr,
+    DQ_SPLIT: tl.constexpr, SCATTER_DOCS: tl.constexpr, ONE_TQ: tl.constexpr,
 ):  # fmt: skip
     """The gather-and-own backward in one launch: programs ``[0, n_dq)`` compute dQ by the gather (``DQ_GATHER``),
     the rest own blocks of dD (``DD_OWNED``); either side may be absent (a long pair list's dQ and the fast cross
@@ -599,7 +603,8 @@ def maxsim_bwd_kernel(
     Pair-grid sizes: ``K`` is the score grid's (a pair list: ``P``) for the gather; ``Nq``, ``K_dd`` (documents of
     a pair list) and ``P`` for the owner. ``DOC_WALK``: every query has at most ``TQ`` tokens and every
     document was scored by one of them (candidates, aligned pairs) or is found by the pair list's scan or index;
-    its owner programs are one per (document, dim block), see :func:`_dd_program`."""
+    its owner programs are one per (document, dim block), see :func:`_dd_program`. ``ONE_TQ``: ``Lq <= TQ`` (each
+    query's tokens are one step of the owner's walk)."""
     pid = tl.program_id(0)
     # (a launch of one side tests nothing: the branch costs a dQ-only variant ~35 registers, a program per SM)
     gather = pid < n_dq if DQ_GATHER and (DD_OWNED or DD_SCATTER) else DQ_GATHER
@@ -617,7 +622,7 @@ def maxsim_bwd_kernel(
                 pid - n_dq, G, ARG, Q, D, INV_Q, GD, QSEG, DSEG, PQ, PD, DOFF, DPERM,
                 Nq, K_dd, P, Lq, Ld, dim, n_qseq, n_qrows, n_dseq, n_drows, sq_n, sq_l, sd_b, sd_k, sd_l,
                 sgd_b, sgd_k, sgd_l, sqs, sds_b, sds_k, sg, n_jb, n_kb, TQ, BN, BLOCK_K, Q_KIND, D_KIND, PAIR_LIST,
-                SHARED_DOCS, NORMALIZE, DOT_PRECISION, UPCAST, SCAN_D, DOC_WALK, PROJECT_D,
+                SHARED_DOCS, NORMALIZE, DOT_PRECISION, UPCAST, SCAN_D, DOC_WALK, PROJECT_D, ONE_TQ,
             )  # fmt: skip
         if DD_SCATTER:  # dD by fp32 atomics into GD (zeroed), beside the gather's programs (documents
             # [sc_lo, sc_lo + sc_n): all, or a chunked dD's first chunk)

@@ -861,7 +861,8 @@ def _backward_plan(
         n_dq + n_dd + n_dsc,
         (*ints, n_dq, dq_splits, ks_len, Q.numel(), sc_lo, sc_n),
         dict(constexprs, UNROLL=unroll, DQ_GATHER=n_dq > 0, DD_OWNED=n_dd > 0, DD_SCATTER=n_dsc > 0,
-             PROJECT_Q=project_q, PROJECT_D=project_d, DQ_SPLIT=dq_splits > 1, SCATTER_DOCS=SCATTER_DOCS),
+             PROJECT_Q=project_q, PROJECT_D=project_d, DQ_SPLIT=dq_splits > 1, SCATTER_DOCS=SCATTER_DOCS,
+             ONE_TQ=Lq <= cfg.TQ),  # (TQ follows Lq up to 64 tokens: one more variant for longer queries, once)
     )  # fmt: skip
     return _BackwardPlan(
         grad_contiguous, dq_scatter, dq_splits,
