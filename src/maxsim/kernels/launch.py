@@ -851,9 +851,10 @@ def _backward_plan(
     )  # fmt: skip
     # Both sides in one launch (H100, GPU time of the backward: candidates 64x32 Lq32 Ld180 100 -> 76 us, as fast as
     # two launches elsewhere), and one launch fewer of host time, which is what a small step is made of.
-    # The dQ walk gathers UNROLL pairs per step (their loads in flight together: fewer round trips per program,
-    # at 186 registers instead of 40); sharing a launch with the owner it takes one at a time, which leaves the
-    # owner's programs their occupancy.
+    # The dQ walk gathers UNROLL pairs per step (their loads in flight together: fewer round trips per program);
+    # sharing a launch with the owner it takes one at a time. (H200, docs/performance.md v77, backward GPU time with
+    # the owner, 4 pairs a step against 1: the cross products' owner is the longer walk, unchanged; candidates 64x32
+    # 41.2 -> 37.5 us, 128x8 Lq64 35.3 -> 34.1, but aligned pairs 512 17.8 -> 19.8.)
     # The atomics' programs do not mind the gather's registers (H100, backward GPU time with the atomics in the
     # launch, UNROLL 4 vs 1: 256x256 Ld300 424 vs 458 us, 32x32 Lq1024 204 vs 202, 64x64 Ld1024 65 vs 56).
     unroll = FUSED_DQ_UNROLL if n_dd else DQ_UNROLL
