@@ -337,13 +337,25 @@ def _dd_load(
 
 
 @triton.jit
+def _selector_anchor(BN: tl.constexpr, TQ: tl.constexpr, dtype: tl.constexpr):
+    """Zeros ``[BN, TQ]`` (fp32) in the layout of an MMA's result, for :func:`_dd_add`'s ``REG_SEL``: a selector
+    taken from them (``where(hit, 1, anchor)``) is built in that layout, which the next MMA reads as its register
+    operand as it stands; one built in a load's layout goes through shared memory (a 16-bit store per element, a
+    barrier, then ``ldmatrix``). Computed once per program, before its walk."""
+    return tl.dot(tl.zeros([BN, 16], dtype=dtype), tl.zeros([16, TQ], dtype=dtype))
+
+
+@triton.jit
 def _dd_add(
-    acc, a, qt, w, j,
-    NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    acc, a, qt, w, j, anchor,
+    NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, REG_SEL: tl.constexpr,
 ):  # fmt: skip
     """``acc [BN, BLOCK_K]`` plus one step's share of dD for document tokens ``j``: the rows ``qt`` of the query
-    tokens whose argmax ``a`` is in ``j``, times their weights ``w``."""
+    tokens whose argmax ``a`` is in ``j``, times their weights ``w``. ``REG_SEL``: the 0/1 selector is built from
+    ``anchor`` (:func:`_selector_anchor`) in the MMA's register layout, 16-bit tokens only (the same values, the
+    same MMA: the same sums)."""
     hit = a[None, :] == j[:, None]  # [BN, TQ]; a == -1 never matches
+    in_regs: tl.constexpr = REG_SEL and qt.dtype != tl.float32
     if NORMALIZE or qt.dtype == tl.float32:
         # fp32 rows (weighted, each token by its own weight with NORMALIZE), split into three bf16 terms whose
         # sum is exactly the fp32 value (8 + 8 + 8 significant bits), go through the tensor cores with the 0/1
@@ -356,7 +368,7 @@ def _dd_add(
         rest = tl.where(hi == wq, 0.0, wq - hi)  # (an infinite row is its high term alone, not inf - inf)
         mid = rest.to(tl.bfloat16).to(tl.float32)
         lo = rest - mid  # (8 significant bits at most: a bf16 value)
-        sel = hit.to(tl.float32)
+        sel = tl.where(hit, 1.0, anchor) if in_regs else hit.to(tl.float32)
         if not UPCAST:  # (the interpreter's bf16 products are wrong: it multiplies the same exact terms in fp32)
             sel, hi, mid, lo = sel.to(tl.bfloat16), hi.to(tl.bfloat16), mid.to(tl.bfloat16), lo.to(tl.bfloat16)
         acc += tl.dot(sel, hi, input_precision="ieee")
@@ -367,7 +379,8 @@ def _dd_add(
             qt = qt.to(tl.float32)
         # A 0/1 selector is exact in any dtype, so the MMA returns the chosen rows exactly (a step's tokens belong
         # to one query: one weight).
-        acc += w * tl.dot(hit.to(qt.dtype), qt, input_precision=DOT_PRECISION)
+        sel = tl.where(hit, 1.0, anchor) if in_regs else hit
+        acc += w * tl.dot(sel.to(qt.dtype), qt, input_precision=DOT_PRECISION)
     return acc
 
 
@@ -391,7 +404,7 @@ def _dd_program(
     TQ: tl.constexpr, BN: tl.constexpr, BLOCK_K: tl.constexpr,
     Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr, SHARED_DOCS: tl.constexpr,
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PAIR_SCAN: tl.constexpr,
-    DOC_WALK: tl.constexpr, PROJECT: tl.constexpr, ONE_TQ: tl.constexpr,
+    DOC_WALK: tl.constexpr, PROJECT: tl.constexpr, ONE_TQ: tl.constexpr, REG_SEL: tl.constexpr,
 ):  # fmt: skip
     """dD of one (document, token block, dim block), owned: no atomics, a fixed order of the sum (``PROJECT``: the
     block spans ``dim``, and is chained through the normalization of D's rows before it is stored).
@@ -421,6 +434,7 @@ def _dd_program(
     kd = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     kd_ok = kd < dim
     d_base = D
+    anchor = _selector_anchor(BN, TQ, Q.dtype.element_ty)
     if PROJECT:
         d_base, _d_tok0, _d_len, _d_bad = doc_segment(
             D, DSEG, b, kk, K, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, D_KIND
@@ -474,7 +488,7 @@ def _dd_program(
             j = jb * BN + tl.arange(0, BN)
             acc = tl.zeros([BN, BLOCK_K], dtype=tl.float32)
             if jb * BN < d_len:  # (past the document's end: chosen by no token, and no NaN of w spread there)
-                acc = _dd_add(acc, a, qt, w, j, NORMALIZE, DOT_PRECISION, UPCAST)
+                acc = _dd_add(acc, a, qt, w, j, anchor, NORMALIZE, DOT_PRECISION, UPCAST, REG_SEL)
                 if PAIR_LIST:
                     if PAIR_SCAN:
                         if n_listed > 1:
@@ -487,7 +501,7 @@ def _dd_program(
                                     p, 1, K, kk, G, ARG, Q, INV_Q, QSEG, PQ, DPERM, Lq, n_qseq, n_qrows,
                                     sq_n, sq_l, sqs, sg, kd, kd_ok, TQ, Q_KIND, WALK_PAIRS, NORMALIZE,
                                 )  # fmt: skip
-                                acc = _dd_add(acc, a_e, qt_e, w_e, j, NORMALIZE, DOT_PRECISION, UPCAST)
+                                acc = _dd_add(acc, a_e, qt_e, w_e, j, anchor, NORMALIZE, DOT_PRECISION, UPCAST, REG_SEL)
                         if n_listed > HELD:  # the pairs past the held ones, in pair order
                             seen = tl.full([], 0, tl.int32)
                             for c0 in range(0, P, SCAN):
@@ -504,14 +518,16 @@ def _dd_program(
                                             p, 1, K, kk, G, ARG, Q, INV_Q, QSEG, PQ, DPERM, Lq, n_qseq, n_qrows,
                                             sq_n, sq_l, sqs, sg, kd, kd_ok, TQ, Q_KIND, WALK_PAIRS, NORMALIZE,
                                         )  # fmt: skip
-                                        acc = _dd_add(acc, a_e, qt_e, w_e, j, NORMALIZE, DOT_PRECISION, UPCAST)
+                                        acc = _dd_add(
+                                            acc, a_e, qt_e, w_e, j, anchor, NORMALIZE, DOT_PRECISION, UPCAST, REG_SEL
+                                        )
                     else:
                         for e in range(e_lo + 1, e_hi):
                             a_e, qt_e, w_e = _dd_load(
                                 e, 1, K, kk, G, ARG, Q, INV_Q, QSEG, PQ, DPERM, Lq, n_qseq, n_qrows,
                                 sq_n, sq_l, sqs, sg, kd, kd_ok, TQ, Q_KIND, WALK_CSR, NORMALIZE,
                             )  # fmt: skip
-                            acc = _dd_add(acc, a_e, qt_e, w_e, j, NORMALIZE, DOT_PRECISION, UPCAST)
+                            acc = _dd_add(acc, a_e, qt_e, w_e, j, anchor, NORMALIZE, DOT_PRECISION, UPCAST, REG_SEL)
             if PROJECT:
                 acc = _projected(acc, d_base, j, d_len, kd, kd_ok, sd_l)
             j_store = j < d_len if D_KIND == OFFSETS else j < Ld
@@ -544,7 +560,7 @@ def _dd_program(
                                     Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, sg, kd, kd_ok, TQ, Q_KIND, WALK_PAIRS,
                                     NORMALIZE,
                                 )  # fmt: skip
-                                acc = _dd_add(acc, a, qt, w, j, NORMALIZE, DOT_PRECISION, UPCAST)
+                                acc = _dd_add(acc, a, qt, w, j, anchor, NORMALIZE, DOT_PRECISION, UPCAST, REG_SEL)
             else:
                 if PAIR_LIST:
                     e_lo = tl.load(DOFF + kk).to(tl.int64)
@@ -563,7 +579,7 @@ def _dd_program(
                         Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, sg, kd, kd_ok, TQ, Q_KIND,
                         WALK_CSR if PAIR_LIST else WALK_QUERIES, NORMALIZE,
                     )  # fmt: skip
-                    acc = _dd_add(acc, a, qt, w, j, NORMALIZE, DOT_PRECISION, UPCAST)
+                    acc = _dd_add(acc, a, qt, w, j, anchor, NORMALIZE, DOT_PRECISION, UPCAST, REG_SEL)
         if PROJECT:
             acc = _projected(acc, d_base, j, d_len, kd, kd_ok, sd_l)
         j_store = j < d_len if D_KIND == OFFSETS else j < Ld  # padding rows get their (zero) gradient too
@@ -593,7 +609,7 @@ def maxsim_bwd_kernel(
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     DQ_GATHER: tl.constexpr, DD_OWNED: tl.constexpr, SCAN_Q: tl.constexpr, SCAN_D: tl.constexpr,
     DOC_WALK: tl.constexpr, DD_SCATTER: tl.constexpr, PROJECT_Q: tl.constexpr, PROJECT_D: tl.constexpr,
-    DQ_SPLIT: tl.constexpr, SCATTER_DOCS: tl.constexpr, ONE_TQ: tl.constexpr,
+    DQ_SPLIT: tl.constexpr, SCATTER_DOCS: tl.constexpr, ONE_TQ: tl.constexpr, REG_SEL: tl.constexpr,
 ):  # fmt: skip
     """The gather-and-own backward in one launch: programs ``[0, n_dq)`` compute dQ by the gather (``DQ_GATHER``),
     the rest own blocks of dD (``DD_OWNED``); either side may be absent (a long pair list's dQ and the fast cross
@@ -604,7 +620,8 @@ def maxsim_bwd_kernel(
     a pair list) and ``P`` for the owner. ``DOC_WALK``: every query has at most ``TQ`` tokens and every
     document was scored by one of them (candidates, aligned pairs) or is found by the pair list's scan or index;
     its owner programs are one per (document, dim block), see :func:`_dd_program`. ``ONE_TQ``: ``Lq <= TQ`` (each
-    query's tokens are one step of the owner's walk)."""
+    query's tokens are one step of the owner's walk). ``REG_SEL``: the owner builds its selector in the MMA's
+    registers (see :func:`_dd_add`)."""
     pid = tl.program_id(0)
     # (a launch of one side tests nothing: the branch costs a dQ-only variant ~35 registers, a program per SM)
     gather = pid < n_dq if DQ_GATHER and (DD_OWNED or DD_SCATTER) else DQ_GATHER
@@ -622,7 +639,7 @@ def maxsim_bwd_kernel(
                 pid - n_dq, G, ARG, Q, D, INV_Q, GD, QSEG, DSEG, PQ, PD, DOFF, DPERM,
                 Nq, K_dd, P, Lq, Ld, dim, n_qseq, n_qrows, n_dseq, n_drows, sq_n, sq_l, sd_b, sd_k, sd_l,
                 sgd_b, sgd_k, sgd_l, sqs, sds_b, sds_k, sg, n_jb, n_kb, TQ, BN, BLOCK_K, Q_KIND, D_KIND, PAIR_LIST,
-                SHARED_DOCS, NORMALIZE, DOT_PRECISION, UPCAST, SCAN_D, DOC_WALK, PROJECT_D, ONE_TQ,
+                SHARED_DOCS, NORMALIZE, DOT_PRECISION, UPCAST, SCAN_D, DOC_WALK, PROJECT_D, ONE_TQ, REG_SEL,
             )  # fmt: skip
         if DD_SCATTER:  # dD by fp32 atomics into GD (zeroed), beside the gather's programs (documents
             # [sc_lo, sc_lo + sc_n): all, or a chunked dD's first chunk)

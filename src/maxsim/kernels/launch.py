@@ -109,6 +109,9 @@ DQ_SPLIT_PROGRAMS_PER_SM = 2
 # atomics (see _backward_plan).
 DQ_UNROLL = 4
 FUSED_DQ_UNROLL = 1
+# The dD owner builds its 0/1 selector in the MMA's register layout (backward.py's REG_SEL) where that measured faster
+# (see _register_selector; 0: never, for tools/knobs.py and the tests).
+REGISTER_SELECTOR = 1
 # normalize=True: where a document tile is read by several programs (a query split into row blocks, or queries
 # packed BQ to a program against shared documents, more than one block of them), each would sum the tile's squares
 # again: those forwards read the tokens' inverse norms from a pre-pass (one launch over Q and D), loaded before the
@@ -716,6 +719,20 @@ class _BackwardPlan(NamedTuple):
 _bplans: dict[tuple, _BackwardPlan] = {}
 
 
+def _register_selector(doc_walk: bool, normalize: bool, cfg: BackwardConfig, dtype: torch.dtype) -> bool:
+    """Whether the dD owner builds its selector in the MMA's registers (``REG_SEL``) instead of passing it through
+    shared memory. H200, backward GPU time (docs/performance.md v81): a document walk loads its query's argmax once
+    for all its token blocks, and gains with raw tokens (candidates 64x7 Lq23 Ld333 dim 48 9.4 -> 8.1 us, 256x16 Ld300
+    106.5 -> 99.3, 128x8 Lq64 Ld256 34.9 -> 31.8, pairs 512 17.7 -> 16.5) but not normalized ones (1.02-1.06x); a walk
+    over the queries loads the argmax per step, in that layout 8 tokens a thread against 1, which pays at 128 dims
+    and at most 32 tokens (cross products 64x64 Ld128 40.5 -> 35.9 us, 32x32 Ld80 17.3 -> 16.8, normalized 0.94-0.97x)
+    but not at 64 dims (48x48 Lq23 dim 48 29.2 -> 33.5 us) or 64 tokens (16x16 Lq64 Ld512 16.4 -> 17.1). 16-bit
+    tokens only (fp32 ones were not measured)."""
+    if not REGISTER_SELECTOR or dtype == torch.float32:
+        return False
+    return not normalize if doc_walk else (cfg.BLOCK_K == 128 and cfg.TQ <= 32)
+
+
 def _shared_owned(Nq: int, Lq: int, K: int, Ld: int, dim: int, cfg: BackwardConfig) -> bool:
     """Whether a fast backward of the cross product owns dD (see SHARED_OWNER_MAX_WORK)."""
 
@@ -863,7 +880,8 @@ def _backward_plan(
         (*ints, n_dq, dq_splits, ks_len, Q.numel(), sc_lo, sc_n),
         dict(constexprs, UNROLL=unroll, DQ_GATHER=n_dq > 0, DD_OWNED=n_dd > 0, DD_SCATTER=n_dsc > 0,
              PROJECT_Q=project_q, PROJECT_D=project_d, DQ_SPLIT=dq_splits > 1, SCATTER_DOCS=SCATTER_DOCS,
-             ONE_TQ=Lq <= cfg.TQ),  # (TQ follows Lq up to 64 tokens: one more variant for longer queries, once)
+             ONE_TQ=Lq <= cfg.TQ,  # (TQ follows Lq up to 64 tokens: one more variant for longer queries, once)
+             REG_SEL=n_dd > 0 and _register_selector(doc_walk, normalize, cfg, Q.dtype)),
     )  # fmt: skip
     return _BackwardPlan(
         grad_contiguous, dq_scatter, dq_splits,
