@@ -144,6 +144,37 @@ def test_nan_in_valid_token_propagates(layout, where, dtype, backend, device):
     assert_scores_close(s[keep], expected[keep], dtype=dtype, magnitude=mag[keep])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["cross", "candidates"])
+def test_nan_rows_argmax_is_a_valid_token(layout, dtype, backend, device):
+    """A NaN in one valid document token: every live query row of that pair has a NaN max, and its argmax is a
+    valid token of the document (which one is left unspecified: the reference's ``torch.max`` picks the NaN token,
+    the kernels' running argmax keeps the last number each slot held), so the backward reads inside the document.
+    The other pairs' argmax is the reference's."""
+    ld = 200
+    inp = _inputs(layout, 5, ld, 16, dtype=dtype, device=device, masks="holes", seed=seed_of("nan-arg", layout))
+    D, dm = inp.D.clone(), inp.d_mask.clone()
+    idx = (1, 130) if layout == "cross" else (1, 0, 130)  # (a token of a later tile)
+    D[idx + (5,)] = float("nan")
+    dm[idx] = True
+    dm[idx[:-1] + (0,)] = False  # (a stray 0, e.g. an overflowed index truncated to 16 bits, points at a masked token)
+    case = inp.with_(D=D, d_mask=dm)
+    _s, arg = maxsim.maxsim(case.Q, case.D, case.q_mask, case.d_mask, return_argmax=True)
+    _rs, rarg = maxsim.reference.maxsim_with_argmax(case.Q.double(), case.D.double(), case.q_mask, case.d_mask)
+    arg = arg.long().cpu()
+    rarg = rarg.cpu()
+    nan_pair = torch.zeros(arg.shape[:-1], dtype=torch.bool)
+    nan_pair[(slice(None), 1) if layout == "cross" else (1, 0)] = True
+    live = rarg >= 0
+    assert bool((live & nan_pair[..., None]).any()), "the NaN pair should have live rows"
+    assert torch.equal(arg >= 0, live), "live rows differ from the reference's"
+    doc_mask = case.d_mask.cpu()
+    docs = doc_mask[None].expand(arg.shape[0], -1, -1) if layout == "cross" else doc_mask  # [Nq, K, Ld]
+    chosen = torch.gather(docs, 2, arg.clamp(min=0))  # the chosen tokens' validity
+    rows = live & nan_pair[..., None]
+    assert bool(((arg < ld) & chosen)[rows].all()), f"NaN rows' argmax outside the valid tokens: {arg[rows].tolist()}"
+
+
 # ----------------------------------------------------------------------------------------------------
 # ties
 

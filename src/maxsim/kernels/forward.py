@@ -40,13 +40,6 @@ def chunk_tokens(ROWS, n_rows):
 
 
 @triton.jit
-def _argmax_combine(v1, i1, v2, i2):
-    """Larger value wins; equal values go to the lower token index (as ``torch.max``)."""
-    take2 = (v2 > v1) | ((v2 == v1) & (i2 < i1))
-    return tl.where(take2, v2, v1), tl.where(take2, i2, i1)
-
-
-@triton.jit
 def _load_q_chunk(q_rows, row_ok, kc, dim, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
     kd = kc * BLOCK_K + tl.arange(0, BLOCK_K)
     qt = tl.load(q_rows[:, None] + kd[None, :], mask=row_ok[:, None] & (kd[None, :] < dim), other=0.0)
@@ -190,8 +183,13 @@ def _finish_rows(
     m = tl.reduce(m2, 1, nan_max)
     a = tl.zeros([qt.shape[0]], dtype=tl.int32)  # (unused when no argmax is kept)
     if SAVE_ARGMAX:
-        a2 = (a2 + n_end).to(tl.int32)  # tile offsets from the end of the last tile scanned (n_end)
-        _m, a = tl.reduce((m2, a2 + tl.arange(0, BLOCK_N)[None, :]), 1, _argmax_combine)
+        # Each slot's winning token (tile offsets from the end of the last tile scanned, n_end; integers in fp32,
+        # exact below 2^24); the row's is the first slot holding its max (a NaN row: its first NaN). One compare,
+        # select and min an element, and a conversion a row, where a reduction of (value, token) pairs took two
+        # compares, an integer compare, two selects and a conversion an element.
+        tok = a2 + (n_end + tl.arange(0, BLOCK_N)).to(tl.float32)[None, :]
+        first = (m2 == m[:, None]) | (m2 != m2)
+        a = tl.min(tl.where(first, tok, float("inf")), axis=1).to(tl.int32)
     if NORMALIZE and NORMS_GIVEN:
         m = m * tl.load(inv_rows, mask=row_ok, other=0.0)
     elif NORMALIZE:
