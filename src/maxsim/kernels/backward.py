@@ -434,7 +434,7 @@ def _dd_program(
     kd = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     kd_ok = kd < dim
     d_base = D
-    anchor = _selector_anchor(BN, TQ, Q.dtype.element_ty)
+    anchor = _selector_anchor(BN, TQ, Q.dtype.element_ty) if REG_SEL else 0.0
     if PROJECT:
         d_base, _d_tok0, _d_len, _d_bad = doc_segment(
             D, DSEG, b, kk, K, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, D_KIND
