@@ -52,7 +52,7 @@ def test_the_rule_small_and_finite_only(monkeypatch):
     poisoned[0, 0, 0, 0] = float("inf")  # (a masked token may hold anything)
     assert not cpu._one_hot_worthwhile(Q, poisoned)
     assert not cpu._one_hot_worthwhile(Q.clone().fill_(float("nan")), D)
-    monkeypatch.setattr(cpu, "DENSE_BACKWARD_MAX", 3 * 5 * 7 * 10 - 1)  # (one entry short)
+    monkeypatch.setattr(cpu, "DENSE_BACKWARD_MAX", 3 * 5 * 7 * 9 - 1)  # (one entry short)
     assert not cpu._one_hot_worthwhile(Q, D)
     calls = []
     monkeypatch.setattr(cpu, "_backward_one_hot", lambda *a: calls.append(a))

@@ -2,12 +2,16 @@
 
 Works on the canonical layout of :mod:`maxsim.layout`: ``Q [Nq, Lq, dim]`` against ``D [Bd, K, Ld, dim]`` where
 ``Bd`` is 1 (cross product) or ``Nq`` (per-query candidates). Scores are computed one block of (queries, documents)
-at a time so that the similarity block never exceeds :data:`BLOCK_BYTES`; the argmax (int32) is the only state kept
-for the backward, as in the kernels. Nothing here syncs with a device beyond what the PyTorch ops themselves do.
+at a time so that the similarity block never exceeds :data:`BLOCK_BYTES`; the argmax is the only state kept for the
+backward, as in the kernels (plus, for the small unmasked training steps of :func:`step_fits`, one scalar). The
+backward is the list of chosen links, or for small problems two products with one-hot weights: a tiny CPU step's time
+is the number of PyTorch ops it runs (3-8 µs each here), not its arithmetic. Nothing here syncs with a device beyond
+what the PyTorch ops themselves do.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -19,11 +23,21 @@ BLOCK_BYTES = int(os.environ.get("MAXSIM_CPU_BLOCK_BYTES", 64 * 2**20))
 """Budget, in bytes, of one similarity block ``[nq, nk, Lq, Ld]`` (plus the upcast document block)."""
 
 DENSE_BACKWARD_MAX = 1 << 14
-"""A CPU backward whose one-hot weights ``[Nq, K, Lq, Ld + 1]`` have at most this many entries runs as two products
+"""A CPU backward whose one-hot weights ``[Nq, Lq, K, Ld]`` have at most this many entries runs as two products
 with them (:func:`_backward_one_hot`): a handful of ops instead of the ~30 of the link list, which is what a tiny
 step costs here (this 2-core machine, fp32, dim 128, ``Q [4, 8]`` tokens: cross against 16 documents of 10 tokens
 215 -> 92 µs, candidates 4 x 16 of 22 tokens 231 -> 123 µs, 4 x 7 of 41 216 -> 106 µs, pairs 16 x Ld 37 180 ->
-71 µs; at 4 x 16 x 37 (19,456 entries) both take ~215 µs)."""
+71 µs; at 4 x 16 x 37 (19,456 entries) both took ~215 µs)."""
+
+STEP_MAX_ENTRIES = 1 << 18
+STEP_MAX_LD = 64
+"""An unmasked training step (:func:`step_fits`) also takes the one-hot products above :data:`DENSE_BACKWARD_MAX`
+entries, up to ``STEP_MAX_ENTRIES`` (1 MB of fp32 weights), for documents of at most ``STEP_MAX_LD`` tokens: the
+products do ``Ld`` times the link list's multiply-adds, in GEMMs, against its gathers and ``index_add_``. Step
+times on this 2-core CPU, fp32, dim 128, link list -> one-hot (eager autograd): cross 4 x 16, Lq 8, Ld 37 383 -> 218
+µs (278); candidates 4 x 16 x 37 476 -> 348 (345); cross 8 x 16, Lq 16, Ld 32 734 -> 419 (461); candidates 16 x 16,
+Lq 16, Ld 64 1897 -> 1557 (1945); but at Ld 128 (4 x 16, Lq 16) 707 -> 694, at Ld 256 961 -> 1183, and candidates
+32 x 16, Lq 16, Ld 64 (524K entries) 3303 -> 3682."""
 
 
 def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
@@ -59,19 +73,23 @@ def forward(
     d_mask: Tensor | None,
     normalize: bool,
     need_argmax: bool,
+    index_dtype: torch.dtype = torch.int32,
 ) -> tuple[Tensor, Tensor]:
-    """Scores ``[Nq, K]`` (fp32, fp64 for fp64 inputs) and, if asked, argmax ``[Nq, K, Lq]`` int32 (-1 = none)."""
+    """Scores ``[Nq, K]`` (fp32, fp64 for fp64 inputs) and, if asked, argmax ``[Nq, K, Lq]`` in ``index_dtype``
+    (int32 or int16; -1 = none), else an empty int32 ``[0]``."""
     Nq, Lq, dim = Q.shape
     Bd, K, Ld, _ = D.shape
     acc = accum_dtype(Q.dtype)
     if Nq == 0 or K == 0 or Lq == 0 or Ld == 0:
         scores = torch.zeros((Nq, K), dtype=acc, device=Q.device)
-        return scores, torch.full((Nq, K, Lq) if need_argmax else (0,), -1, dtype=torch.int32, device=Q.device)
+        shape, dtype = ((Nq, K, Lq), index_dtype) if need_argmax else ((0,), torch.int32)
+        return scores, torch.full(shape, -1, dtype=dtype, device=Q.device)
     nq, nk = _blocks(Nq, K, Lq, Ld, dim, torch.finfo(acc).bits // 8, Bd == 1)
     if nq == Nq and nk == K:  # one block: no output buffers to fill
-        return _forward_block(Q, D, q_mask, d_mask, normalize, need_argmax, acc)
+        return _forward_block(Q, D, q_mask, d_mask, normalize, need_argmax, acc, index_dtype)[:2]
     scores = torch.empty((Nq, K), dtype=acc, device=Q.device)
-    argmax = torch.empty((Nq, K, Lq) if need_argmax else (0,), dtype=torch.int32, device=Q.device)
+    shape, dtype = ((Nq, K, Lq), index_dtype) if need_argmax else ((0,), torch.int32)
+    argmax = torch.empty(shape, dtype=dtype, device=Q.device)
     for q0 in range(0, Nq, nq):
         q1 = min(Nq, q0 + nq)
         b0, b1 = (0, 1) if Bd == 1 else (q0, q1)
@@ -79,7 +97,7 @@ def forward(
         for k0 in range(0, K, nk):
             k1 = min(K, k0 + nk)
             dm = None if d_mask is None else d_mask[b0:b1, k0:k1]
-            s, a = _forward_block(Q[q0:q1], D[b0:b1, k0:k1], qm, dm, normalize, need_argmax, acc)
+            s, a, _ = _forward_block(Q[q0:q1], D[b0:b1, k0:k1], qm, dm, normalize, need_argmax, acc, index_dtype)
             scores[q0:q1, k0:k1] = s
             if need_argmax:
                 argmax[q0:q1, k0:k1] = a
@@ -94,9 +112,13 @@ def _forward_block(
     normalize: bool,
     need_argmax: bool,
     acc: torch.dtype,
-) -> tuple[Tensor, Tensor]:
+    index_dtype: torch.dtype,
+    sum_sims: bool = False,
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """One block: ``Q [q, Lq, dim]`` against ``D [b, k, Ld, dim]`` (``b`` = 1 or ``q``) as a single GEMM / batched
-    GEMM into ``[q, Lq, k, Ld]`` (contiguous along the reduced axis), then the row max."""
+    GEMM into ``[q, Lq, k, Ld]`` (contiguous along the reduced axis), then the row max. Returns the scores, the
+    argmax (``[q, k, Lq]``: contiguous in ``index_dtype``, or for int64 max's own indices as a transposed view, no
+    copy) and, with ``sum_sims``, the sum of the unmasked similarities (a 0-dim tensor, not read here)."""
     q, Lq, dim = Q.shape
     b, k, Ld, _ = D.shape
     qb, db = _as(Q, acc), _as(D, acc)
@@ -114,6 +136,7 @@ def _forward_block(
         sim = torch.bmm(qb, db.reshape(q, k * Ld, dim).transpose(1, 2)).view(q, Lq, k, Ld)
     if scale_sim:
         sim.mul_(inv_d[:, None, :, :])
+    total = sim.sum() if sum_sims else None
     valid = None  # [q or 1, Lq or 1, k or 1]: rows that count
     if d_mask is not None:
         sim.masked_fill_(~d_mask[:, None, :, :], float("-inf"))
@@ -130,10 +153,44 @@ def _forward_block(
         best = torch.where(valid, best, best.new_zeros(()))
     scores = best.sum(dim=1)  # [q, k]
     if not need_argmax:
-        return scores, torch.empty((0,), dtype=torch.int32, device=Q.device)
+        return scores, torch.empty((0,), dtype=torch.int32, device=Q.device), total
     if valid is not None:
         arg = torch.where(valid, arg, arg.new_full((), -1))
-    return scores, arg.to(torch.int32).transpose(1, 2).contiguous()
+    if index_dtype == torch.int64:
+        return scores, arg.transpose(1, 2), total
+    # (one copy: the transpose and the narrowing of max's int64 indices together)
+    return scores, arg.transpose(1, 2).to(index_dtype, memory_format=torch.contiguous_format), total
+
+
+def step_fits(Q: Tensor, D: Tensor, q_mask: Tensor | None, d_mask: Tensor | None, normalize: bool) -> bool:
+    """Whether a training step on canonical ``Q``, ``D`` takes :func:`forward_for_step` and
+    :func:`backward_for_step`: CPU tensors, no masks, no normalize, nothing empty, and one-hot weights of at most
+    :data:`DENSE_BACKWARD_MAX` entries, or of :data:`STEP_MAX_ENTRIES` for documents of :data:`STEP_MAX_LD` tokens."""
+    Nq, Lq, _ = Q.shape
+    _, K, Ld, _ = D.shape
+    entries = Nq * K * Lq * Ld
+    return (
+        Q.device.type == "cpu" and q_mask is None and d_mask is None and not normalize and entries > 0
+        and (entries <= DENSE_BACKWARD_MAX or (entries <= STEP_MAX_ENTRIES and Ld <= STEP_MAX_LD))
+    )  # fmt: skip
+
+
+def forward_for_step(Q: Tensor, D: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The forward of a training step where :func:`step_fits`: the scores, the argmax ``[Nq, K, Lq]`` as ``max``'s
+    own int64 indices (a transposed view: a conversion and a copy fewer on each side of the step, which a tiny step
+    feels; a few KB at these sizes) and the sum of every similarity. That sum is finite exactly when every token is
+    (each token meets every token of the other side in a similarity; an overflow only errs on the safe side), so
+    :func:`backward_for_step` reads it instead of summing the tokens again."""
+    scores, argmax, total = _forward_block(Q, D, None, None, False, True, accum_dtype(Q.dtype), torch.int64, True)
+    return scores, argmax, total
+
+
+def backward_for_step(grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, sims_sum: Tensor) -> tuple[Tensor, Tensor]:
+    """The backward after :func:`forward_for_step`: the one-hot products where every token is finite, else the
+    link list (reads a CPU scalar: not a sync)."""
+    if math.isfinite(float(sims_sum)):
+        return _backward_one_hot(grad, Q, D, argmax, all_chosen=True)
+    return _backward_links(grad, Q, D, _as(argmax, torch.int32), False)
 
 
 def backward(
@@ -150,9 +207,10 @@ def backward(
     On other devices ``index_add_`` uses atomics, so ``deterministic=True`` there selects the tokens with a one-hot
     product instead (fixed summation order).
     """
+    if Q.device.type == "cpu" and not normalize and _one_hot_worthwhile(Q, D):
+        return _backward_one_hot(grad, Q, D, argmax)
+    argmax = _as(argmax, torch.int32)  # (saved as int16 where the documents allow it)
     if Q.device.type == "cpu":
-        if not normalize and _one_hot_worthwhile(Q, D):
-            return _backward_one_hot(grad, Q, D, argmax)
         return _backward_links(grad, Q, D, argmax, normalize)
     Nq, Lq, dim = Q.shape
     Bd, K, Ld, _ = D.shape
@@ -279,29 +337,33 @@ def _backward_links(grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, normaliz
 def _one_hot_worthwhile(Q: Tensor, D: Tensor) -> bool:
     """Small enough for :func:`_backward_one_hot`, and every token finite: a product with one-hot weights multiplies
     every token by something (0 · inf is NaN), where the link list reads only the chosen ones. A sum is finite only
-    if every term is (one that overflows sends the call to the link list, which is exact too); a read of CPU
-    values, not a sync."""
+    if every term is (one that overflows sends the call to the link list, which is exact too). CPU tensors only: the
+    sums are read as Python floats (a read of CPU memory, not a sync; ~2 µs against ~6 for ``isfinite`` on them)."""
     Nq, Lq, _ = Q.shape
     _, K, Ld, _ = D.shape
-    if Nq * K * Lq * (Ld + 1) > DENSE_BACKWARD_MAX:
+    if Nq * K * Lq * Ld > DENSE_BACKWARD_MAX:
         return False
     acc = accum_dtype(Q.dtype)  # (a float64 sum of fp32 tokens costs 4x the fp32 one; isfinite().all() 24x)
-    return bool(torch.isfinite(Q.sum(dtype=acc) + D.sum(dtype=acc)))
+    return math.isfinite(float(Q.sum(dtype=acc)) + float(D.sum(dtype=acc)))
 
 
-def _backward_one_hot(grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor) -> tuple[Tensor, Tensor]:
+def _backward_one_hot(
+    grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, all_chosen: bool = False
+) -> tuple[Tensor, Tensor]:
     """:func:`_backward_links` of a small problem with finite tokens, as two products with the one-hot weights
-    ``W[q, k, i, j] = grad[q, k]`` where query token ``i`` of pair ``(q, k)`` chose document token ``j`` (a token
-    that chose nothing, -1, lands in an extra column that is dropped): ``dQ = W · D`` and ``dD = Wᵀ · Q``. The same
-    terms as the link list, plus exact zeros, summed in another order."""
+    ``W[q, i, k, j] = grad[q, k]`` where query token ``i`` of pair ``(q, k)`` chose document token ``j`` (0 elsewhere,
+    and for a token that chose nothing, -1): ``dQ = W · D`` and ``dD = Wᵀ · Q``. The same terms as the link list,
+    plus exact zeros, summed in another order. ``all_chosen``: no -1 in ``argmax`` (no masks), so W is a scatter."""
     Nq, Lq, dim = Q.shape
     Bd, K, Ld, _ = D.shape
     acc = accum_dtype(Q.dtype)
     Qa, Da = _as(Q, acc), _as(D, acc)
-    w = torch.zeros((Nq, K, Lq, Ld + 1), dtype=acc, device=Q.device)
-    column = (argmax.to(torch.int64) % (Ld + 1)).unsqueeze(-1)  # (-1 -> Ld: the dropped column)
-    w.scatter_(3, column, _as(grad, acc)[:, :, None, None].expand(-1, -1, Lq, 1))
-    w = w[..., :Ld].permute(0, 2, 1, 3)  # [Nq, Lq, K, Ld]
+    chosen = argmax.transpose(1, 2)  # [Nq, Lq, K]
+    if all_chosen:
+        w = torch.zeros((Nq, Lq, K, Ld), dtype=acc, device=Q.device)
+        w.scatter_(3, chosen.long().unsqueeze(-1), _as(grad, acc)[:, None, :, None].expand(Nq, Lq, K, 1))
+    else:  # (a compare and a select: the fewest ops that build W with -1 among the indices)
+        w = torch.where(chosen[..., None] == torch.arange(Ld, device=Q.device), _as(grad, acc)[:, None, :, None], 0.0)
     if Bd == 1:
         w = w.reshape(Nq * Lq, K * Ld)
         dQ = (w @ Da.reshape(K * Ld, dim)).view(Nq, Lq, dim)

@@ -3,7 +3,8 @@
 Both ops take the canonical layout (:mod:`maxsim.layout`) and an ``impl`` string (``"triton"`` or ``"torch"``)
 chosen in Python beforehand, so ``torch.compile(fullgraph=True)`` sees one opaque call on every device. Autograd
 saves the argmax only (never the similarity tensor), as int16 where the documents allow it (see
-:func:`maxsim.layout.argmax_dtype`); the public functions return it as int32.
+:func:`maxsim.layout.argmax_dtype`); the public functions return it as int32. (The eager route's small unmasked CPU
+steps keep ``max``'s own int64 indices and one scalar instead: :func:`maxsim.cpu.forward_for_step`.)
 
 Eager calls skip the dispatcher: :func:`maxsim_canonical` runs the same implementation functions through a plain
 ``autograd.Function`` (the custom-op machinery costs ~100 µs of host time per call, more than a small training step's
@@ -82,20 +83,30 @@ def forward_impl(
     impl: str,
     rg: Ragged | None = None,
     views: Views | None = None,
-) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor] | None]:
-    """Scores, argmax (None or empty when not asked for) and, where the implementation computed them, the tokens'
-    inverse norms of ``normalize=True`` (for :func:`backward_impl`; else None). ``views``: ``Q`` and ``D`` are the
-    caller's tensors, to be viewed canonically, and the results come in the caller's shape (``views.out``)."""
+    step: bool = False,
+) -> tuple[Tensor, Tensor | None, tuple[Tensor, ...] | None]:
+    """Scores, argmax (None or empty when not asked for) and what the implementation keeps for
+    :func:`backward_impl`, or None: the Triton path's tokens' inverse norms of ``normalize=True``; with ``step`` (a
+    caller that keeps it for the backward: the eager autograd Function), the PyTorch path's
+    :func:`maxsim.cpu.forward_for_step` state, whose argmax is then int64 in the PyTorch path's own order rather
+    than :func:`maxsim.layout.argmax_dtype`. ``views``: ``Q`` and ``D`` are the caller's tensors, to be viewed
+    canonically, and the results come in the caller's shape (``views.out``)."""
     if impl == "triton":
         return _triton_path().forward_keeping_norms(Q, D, q_mask, d_mask, normalize, need_argmax, rg, views=views)
     if views is not None:
         Q, D = _in_views(Q, D, views)
+    if step and rg is None and cpu.step_fits(Q, D, q_mask, d_mask, normalize):
+        scores, argmax, sims_sum = cpu.forward_for_step(Q, D)
+        if views is not None:
+            scores, argmax = _out_views(scores, argmax, views)
+        return scores, argmax, (sims_sum,)
     if rg is not None:
         scores, argmax = cpu_ragged.forward(Q, D, normalize, need_argmax, rg)
+        if need_argmax:  # (the ragged paths compute it as int32; saved like the Triton path's)
+            argmax = argmax.to(argmax_dtype(dims(Q, D, rg)[4]))
     else:
-        scores, argmax = cpu.forward(Q, D, q_mask, d_mask, normalize, need_argmax)
-    if need_argmax:  # (the PyTorch paths compute it as int32; saved like the Triton path's)
-        argmax = argmax.to(argmax_dtype(dims(Q, D, rg)[4]))
+        index_dtype = argmax_dtype(D.shape[2]) if need_argmax else torch.int32
+        scores, argmax = cpu.forward(Q, D, q_mask, d_mask, normalize, need_argmax, index_dtype)
     if views is not None:
         scores, argmax = _out_views(scores, argmax, views)
     return scores, argmax, None
@@ -110,22 +121,24 @@ def backward_impl(
     deterministic: bool,
     impl: str,
     rg: Ragged | None = None,
-    norms: tuple[Tensor, Tensor] | None = None,
+    norms: tuple[Tensor, ...] | None = None,
     views: Views | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``(dQ, dD)`` shaped as ``Q`` and ``D``; ``norms``: what :func:`forward_impl` returned (the Triton path's
-    only); ``views``: ``Q`` and ``D`` are the caller's tensors, to be viewed canonically, and ``grad`` and
-    ``argmax`` have the caller's result shape (as :func:`forward_impl` returned them)."""
+    """``(dQ, dD)`` shaped as ``Q`` and ``D``; ``norms``: what :func:`forward_impl` kept, or None; ``views``: ``Q``
+    and ``D`` are the caller's tensors, to be viewed canonically, and ``grad`` and ``argmax`` have the caller's
+    result shape (as :func:`forward_impl` returned them)."""
     if impl == "triton":
         return _triton_path().backward(grad, Q, D, argmax, normalize, deterministic, rg, norms, views=views)
     if views is not None:
         Qc, Dc = _in_views(Q, D, views)
         Nq, Lq, _, K, _, _ = dims(Qc, Dc, rg)
         grad, argmax = grad.reshape(Nq, K), argmax.reshape(Nq, K, Lq)
-        dQ, dD = backward_impl(grad, Qc, Dc, argmax, normalize, deterministic, impl, rg)
+        dQ, dD = backward_impl(grad, Qc, Dc, argmax, normalize, deterministic, impl, rg, norms)
         return view_as_given(dQ, views.q), view_as_given(dD, views.d)
-    argmax = argmax.to(torch.int32)  # (what the PyTorch paths index with; saved as argmax_dtype)
+    if norms is not None:  # (forward_for_step's state)
+        return cpu.backward_for_step(grad, Q, D, argmax, *norms)
     if rg is not None:
+        argmax = argmax.to(torch.int32)  # (what the ragged paths index with; saved as argmax_dtype)
         return cpu_ragged.backward(grad, Q, D, argmax, normalize, deterministic, rg)
     return cpu.backward(grad, Q, D, argmax, normalize, deterministic)
 
@@ -244,7 +257,7 @@ class _MaxSimFunction(torch.autograd.Function):
         q_mask, d_mask, normalize, impl, _deterministic, rg, views = call
         # (the caller's Q and D, saved as given: neither pass makes their canonical views on a planned call)
         # (in the caller's shapes: neither pass makes a view of the results either)
-        scores, argmax, norms = forward_impl(Q, D, q_mask, d_mask, normalize, True, impl, rg, views)
+        scores, argmax, norms = forward_impl(Q, D, q_mask, d_mask, normalize, True, impl, rg, views, step=True)
         ctx.save_for_backward(Q, D, argmax, *(norms or ()))
         ctx.call = call[2:]  # (not the masks: the backward does not need them alive)
         # No zero-filled gradient for the (non-differentiable) argmax output: one allocation and fill fewer per step.
@@ -293,7 +306,8 @@ def maxsim_canonical(
     compiling = torch.compiler.is_compiling()
     if need_grad and not compiling:
         out = _MaxSimFunction.apply(Q, D, (q_mask, d_mask, normalize, impl, deterministic, rg, views))
-        return (out[0], out[1].to(torch.int32)) if return_argmax else out[0]
+        # (contiguous: the PyTorch path's step keeps its argmax in its own order)
+        return (out[0], out[1].to(torch.int32, memory_format=torch.contiguous_format)) if return_argmax else out[0]
     need_argmax = need_grad or return_argmax
     if compiling:
         if views is not None:

@@ -1,0 +1,164 @@
+"""The CPU training step of small unmasked problems (maxsim.cpu.step_fits): the forward keeps max's own int64 argmax
+and the sum of its similarities; the backward scatters one-hot weights where that sum says every token is finite,
+else takes the link list.
+
+* the rule: masks, normalize, size, empty problems and tensors off the CPU keep the general path;
+* every dense layout the public functions take (cross, candidates, pairs, a 2-D query or document) takes the step,
+  and with exact ties (integer tokens) its scores, argmax and gradients equal, bitwise, the general path's;
+* a token holding inf or NaN, or similarities that overflow, send the backward to the link list (the one-hot
+  products would turn 0 · inf into NaN), and the gradients stay the reference's;
+* the argmax returned beside a gradient is int32 and contiguous.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import spy
+
+import maxsim
+from maxsim import cpu, reference
+
+LAYOUTS = {
+    "cross": ((3, 5, 16), (4, 6, 16)),
+    "candidates": ((3, 5, 16), (3, 4, 6, 16)),
+    "pairs": ((3, 5, 16), (3, 6, 16)),
+    "one query": ((5, 16), (4, 6, 16)),
+    "one document": ((3, 5, 16), (6, 16)),
+}
+
+
+def _ints(shape, seed: int, dtype=torch.float32) -> torch.Tensor:
+    """Integer-valued tokens: exact in every dtype, with ties between document tokens."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-3, 4, shape, generator=g).to(dtype)
+
+
+def _upstream(shape) -> torch.Tensor:
+    """Integer-valued loss weights: with integer tokens every sum is exact, in any order."""
+    return torch.randint(-4, 5, shape, generator=torch.Generator().manual_seed(9)).float()
+
+
+def _step(layout: str, Q: torch.Tensor, D: torch.Tensor):
+    """Scores, argmax and gradients of one public training call."""
+    fn = maxsim.maxsim_pairs if layout == "pairs" else maxsim.maxsim
+    q, d = Q.clone().requires_grad_(), D.clone().requires_grad_()
+    scores, argmax = fn(q, d, return_argmax=True)
+    g = _upstream(scores.shape)
+    dq, dd = torch.autograd.grad(scores, (q, d), g)
+    return scores, argmax, dq, dd
+
+
+@pytest.fixture
+def general_only(monkeypatch):
+    """The general path: no problem fits the step."""
+
+    def run(layout, Q, D):
+        with monkeypatch.context() as m:
+            m.setattr(cpu, "DENSE_BACKWARD_MAX", 0)
+            m.setattr(cpu, "STEP_MAX_ENTRIES", 0)
+            steps = spy(m, cpu, "forward_for_step")
+            out = _step(layout, Q, D)
+            assert not steps
+            return out
+
+    return run
+
+
+def test_the_rule():
+    Q, D = torch.ones(2, 3, 8), torch.ones(1, 4, 5, 8)
+    assert cpu.step_fits(Q, D, None, None, False)
+    assert not cpu.step_fits(Q, D, torch.ones(2, 3, dtype=torch.bool), None, False)
+    assert not cpu.step_fits(Q, D, None, torch.ones(1, 4, 5, dtype=torch.bool), False)
+    assert not cpu.step_fits(Q, D, None, None, True)
+    assert not cpu.step_fits(Q[:, :0], D, None, None, False)
+    assert not cpu.step_fits(Q, D[:, :, :0], None, None, False)
+    assert not cpu.step_fits(Q.to("meta"), D.to("meta"), None, None, False)
+    longest = cpu.DENSE_BACKWARD_MAX // (2 * 3 * 4)  # (Nq = 2, Lq = 3, K = 4: the longest documents that fit)
+    assert cpu.step_fits(Q, torch.ones(1, 4, longest, 8), None, None, False)
+    assert not cpu.step_fits(Q, torch.ones(1, 4, longest + 1, 8), None, None, False)
+    # beyond those entries: short documents only, up to STEP_MAX_ENTRIES
+    short, many = cpu.STEP_MAX_LD, cpu.STEP_MAX_ENTRIES // (cpu.STEP_MAX_LD * 3 * 4)  # (Lq = 3, K = 4)
+    assert 2 * 3 * 4 * short <= cpu.DENSE_BACKWARD_MAX < many * 3 * 4 * short
+    assert cpu.step_fits(torch.ones(many, 3, 8), torch.ones(1, 4, short, 8), None, None, False)
+    assert not cpu.step_fits(torch.ones(many + 1, 3, 8), torch.ones(1, 4, short, 8), None, None, False)
+    assert not cpu.step_fits(torch.ones(many // 2, 3, 8), torch.ones(1, 4, short + 1, 8), None, None, False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_layout_takes_the_step_and_matches_the_general_path_bitwise(layout, dtype, monkeypatch, general_only):
+    q_shape, d_shape = LAYOUTS[layout]
+    Q, D = _ints(q_shape, 1, dtype), _ints(d_shape, 2, dtype)
+    want = general_only(layout, Q, D)
+    forwards = spy(monkeypatch, cpu, "forward_for_step")
+    backwards = spy(monkeypatch, cpu, "backward_for_step")
+    links = spy(monkeypatch, cpu, "_backward_links")
+    got = _step(layout, Q, D)
+    assert len(forwards) == len(backwards) == 1 and not links
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b)
+    assert got[1].dtype == torch.int32 and got[1].is_contiguous()
+    ref_scores, ref_argmax = reference.scores_and_argmax(*_canonical(layout, Q.double(), D.double()))
+    assert torch.equal(got[0].double().reshape(ref_scores.shape), ref_scores)
+    assert torch.equal(got[1].long().reshape(ref_argmax.shape), ref_argmax)  # (ties: the lowest token)
+
+
+def _canonical(layout: str, Q: torch.Tensor, D: torch.Tensor):
+    Q = Q[None] if Q.dim() == 2 else Q
+    if layout == "pairs":
+        return Q, D[:, None]
+    return Q, (D[None, None] if D.dim() == 2 else D[None] if D.dim() == 3 else D)
+
+
+@pytest.mark.parametrize("poison", ["inf document token", "nan query token", "-inf document token", "overflow"])
+@pytest.mark.parametrize("layout", ["cross", "candidates"])
+def test_tokens_that_are_not_finite_take_the_link_list(layout, poison, monkeypatch, general_only):
+    """A token no query token chooses still meets every one in the one-hot products: 0 · inf would be NaN there,
+    where the link list reads only the chosen tokens (the library's gradient: design.md §1)."""
+    q_shape, d_shape = LAYOUTS[layout]
+    Q, D = _ints(q_shape, 1), _ints(d_shape, 2)
+    if poison == "inf document token":
+        D[..., 0, 2, 0] = float("inf")
+    elif poison == "-inf document token":  # (-inf similarities: never chosen, yet in every product)
+        Q[..., 0] = 1.0
+        D[..., 0, 2, :] = 0.0
+        D[..., 0, 2, 0] = float("-inf")
+    elif poison == "nan query token":
+        Q[1, 2, 3] = float("nan")
+    else:  # finite tokens whose similarities overflow float32
+        Q, D = Q * 1e20, D * 1e20
+    want = general_only(layout, Q, D)
+    backwards = spy(monkeypatch, cpu, "backward_for_step")
+    links = spy(monkeypatch, cpu, "_backward_links")
+    got = _step(layout, Q, D)
+    assert len(backwards) == 1 and len(links) == 1
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a.isnan(), b.isnan())
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())
+    dd = got[3]
+    if poison in ("inf document token", "-inf document token"):
+        # the poisoned token's document: only gradients the chosen links carry, none NaN from 0 · inf
+        assert not got[2].isnan().any() and not dd.isnan().any()
+    if poison == "nan query token":
+        assert got[2][[0, 2]].isfinite().all()  # (the other queries' gradients stay finite)
+
+
+def test_a_nan_upstream_gradient_stays_on_its_links():
+    Q, D = torch.randn(3, 5, 16), torch.randn(4, 6, 16)
+    q, d = Q.clone().requires_grad_(), D.clone().requires_grad_()
+    s = maxsim.maxsim(q, d)
+    g = torch.ones_like(s)
+    g[1, 2] = float("nan")
+    dq, dd = torch.autograd.grad(s, (q, d), g)
+    assert dq[1].isnan().all(dim=-1).all() and not dq[[0, 2]].isnan().any()
+    assert dd[2].isnan().any() and not dd[[0, 1, 3]].isnan().any()
+
+
+def test_the_state_of_the_step_is_small_and_the_argmax_a_view():
+    Q, D = torch.randn(3, 5, 16), torch.randn(1, 4, 6, 16)
+    scores, argmax, total = cpu.forward_for_step(Q, D)
+    assert argmax.dtype == torch.int64 and argmax.shape == (3, 4, 5) and total.shape == ()
+    assert torch.equal(argmax, cpu.forward(Q, D, None, None, False, True)[1].long())
+    assert torch.equal(scores, cpu.forward(Q, D, None, None, False, False)[0])
