@@ -74,22 +74,22 @@ def forward(
     normalize: bool,
     need_argmax: bool,
     index_dtype: torch.dtype = torch.int32,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor | None]:
     """Scores ``[Nq, K]`` (fp32, fp64 for fp64 inputs) and, if asked, argmax ``[Nq, K, Lq]`` in ``index_dtype``
-    (int32 or int16; -1 = none), else an empty int32 ``[0]``."""
+    (int32 or int16; -1 = none), else None."""
     Nq, Lq, dim = Q.shape
     Bd, K, Ld, _ = D.shape
     acc = accum_dtype(Q.dtype)
     if Nq == 0 or K == 0 or Lq == 0 or Ld == 0:
         scores = torch.zeros((Nq, K), dtype=acc, device=Q.device)
-        shape, dtype = ((Nq, K, Lq), index_dtype) if need_argmax else ((0,), torch.int32)
-        return scores, torch.full(shape, -1, dtype=dtype, device=Q.device)
-    nq, nk = _blocks(Nq, K, Lq, Ld, dim, torch.finfo(acc).bits // 8, Bd == 1)
-    if nq == Nq and nk == K:  # one block: no output buffers to fill
+        return scores, torch.full((Nq, K, Lq), -1, dtype=index_dtype, device=Q.device) if need_argmax else None
+    size = 8 if acc == torch.float64 else 4
+    # (the whole problem as one block, which _blocks would also say: its arithmetic skipped on tiny calls)
+    if Nq * K * Ld * (Lq + dim) * size <= BLOCK_BYTES:
         return _forward_block(Q, D, q_mask, d_mask, normalize, need_argmax, acc, index_dtype)[:2]
+    nq, nk = _blocks(Nq, K, Lq, Ld, dim, size, Bd == 1)
     scores = torch.empty((Nq, K), dtype=acc, device=Q.device)
-    shape, dtype = ((Nq, K, Lq), index_dtype) if need_argmax else ((0,), torch.int32)
-    argmax = torch.empty(shape, dtype=dtype, device=Q.device)
+    argmax = torch.empty((Nq, K, Lq), dtype=index_dtype, device=Q.device) if need_argmax else None
     for q0 in range(0, Nq, nq):
         q1 = min(Nq, q0 + nq)
         b0, b1 = (0, 1) if Bd == 1 else (q0, q1)
@@ -114,7 +114,7 @@ def _forward_block(
     acc: torch.dtype,
     index_dtype: torch.dtype,
     sum_sims: bool = False,
-) -> tuple[Tensor, Tensor, Tensor | None]:
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """One block: ``Q [q, Lq, dim]`` against ``D [b, k, Ld, dim]`` (``b`` = 1 or ``q``) as a single GEMM / batched
     GEMM into ``[q, Lq, k, Ld]`` (contiguous along the reduced axis), then the row max. Returns the scores, the
     argmax (``[q, k, Lq]``: contiguous in ``index_dtype``, or for int64 max's own indices as a transposed view, no
@@ -153,7 +153,7 @@ def _forward_block(
         best = torch.where(valid, best, best.new_zeros(()))
     scores = best.sum(dim=1)  # [q, k]
     if not need_argmax:
-        return scores, torch.empty((0,), dtype=torch.int32, device=Q.device), total
+        return scores, None, total
     if valid is not None:
         arg = torch.where(valid, arg, arg.new_full((), -1))
     if index_dtype == torch.int64:
