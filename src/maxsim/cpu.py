@@ -361,9 +361,10 @@ def _backward_one_hot(
     chosen = argmax.transpose(1, 2)  # [Nq, Lq, K]
     if all_chosen:
         w = torch.zeros((Nq, Lq, K, Ld), dtype=acc, device=Q.device)
-        w.scatter_(3, chosen.long().unsqueeze(-1), _as(grad, acc)[:, None, :, None].expand(Nq, Lq, K, 1))
+        w.scatter_(3, chosen.long().unsqueeze(-1), _as(grad, acc).view(Nq, 1, K, 1).expand(Nq, Lq, K, 1))
     else:  # (a compare and a select: the fewest ops that build W with -1 among the indices)
-        w = torch.where(chosen[..., None] == torch.arange(Ld, device=Q.device), _as(grad, acc)[:, None, :, None], 0.0)
+        hit = chosen.unsqueeze(-1) == torch.arange(Ld, device=Q.device)
+        w = torch.where(hit, _as(grad, acc).view(Nq, 1, K, 1), 0.0)
     if Bd == 1:
         w = w.reshape(Nq * Lq, K * Ld)
         dQ = (w @ Da.reshape(K * Ld, dim)).view(Nq, Lq, dim)

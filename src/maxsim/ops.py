@@ -129,12 +129,21 @@ def backward_impl(
     result shape (as :func:`forward_impl` returned them)."""
     if impl == "triton":
         return _triton_path().backward(grad, Q, D, argmax, normalize, deterministic, rg, norms, views=views)
-    if views is not None:
-        Qc, Dc = _in_views(Q, D, views)
+    if views is None:
+        return _torch_backward(grad, Q, D, argmax, normalize, deterministic, rg, norms)
+    Qc, Dc = _in_views(Q, D, views)
+    if views.out is not None:  # (the caller's result shape: viewed back as the [Nq, K] grid)
         Nq, Lq, _, K, _, _ = dims(Qc, Dc, rg)
-        grad, argmax = grad.reshape(Nq, K), argmax.reshape(Nq, K, Lq)
-        dQ, dD = backward_impl(grad, Qc, Dc, argmax, normalize, deterministic, impl, rg, norms)
-        return view_as_given(dQ, views.q), view_as_given(dD, views.d)
+        grad, argmax = grad.view(Nq, K), argmax.view(Nq, K, Lq)
+    dQ, dD = _torch_backward(grad, Qc, Dc, argmax, normalize, deterministic, rg, norms)
+    return view_as_given(dQ, views.q), view_as_given(dD, views.d)
+
+
+def _torch_backward(
+    grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, normalize: bool, deterministic: bool, rg: Ragged | None,
+    norms: tuple[Tensor, ...] | None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """:func:`backward_impl` of the PyTorch paths on canonical tensors."""
     if norms is not None:  # (forward_for_step's state)
         return cpu.backward_for_step(grad, Q, D, argmax, *norms)
     if rg is not None:
