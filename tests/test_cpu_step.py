@@ -56,7 +56,7 @@ def general_only(monkeypatch):
     def run(layout, Q, D):
         with monkeypatch.context() as m:
             m.setattr(cpu, "DENSE_BACKWARD_MAX", 0)
-            m.setattr(cpu, "STEP_MAX_ENTRIES", 0)
+            m.setattr(cpu, "STEP_MAX_LD", 0)
             steps = spy(m, cpu, "forward_for_step")
             out = _step(layout, Q, D)
             assert not steps
@@ -77,12 +77,11 @@ def test_the_rule():
     longest = cpu.DENSE_BACKWARD_MAX // (2 * 3 * 4)  # (Nq = 2, Lq = 3, K = 4: the longest documents that fit)
     assert cpu.step_fits(Q, torch.ones(1, 4, longest, 8), None, None, False)
     assert not cpu.step_fits(Q, torch.ones(1, 4, longest + 1, 8), None, None, False)
-    # beyond those entries: short documents only, up to STEP_MAX_ENTRIES
-    short, many = cpu.STEP_MAX_LD, cpu.STEP_MAX_ENTRIES // (cpu.STEP_MAX_LD * 3 * 4)  # (Lq = 3, K = 4)
-    assert 2 * 3 * 4 * short <= cpu.DENSE_BACKWARD_MAX < many * 3 * 4 * short
-    assert cpu.step_fits(torch.ones(many, 3, 8), torch.ones(1, 4, short, 8), None, None, False)
-    assert not cpu.step_fits(torch.ones(many + 1, 3, 8), torch.ones(1, 4, short, 8), None, None, False)
-    assert not cpu.step_fits(torch.ones(many // 2, 3, 8), torch.ones(1, 4, short + 1, 8), None, None, False)
+    # beyond those entries: short documents only, at any size
+    short = cpu.STEP_MAX_LD
+    assert 2 * 3 * 4 * short <= cpu.DENSE_BACKWARD_MAX < 1000 * 3 * 4 * short
+    assert cpu.step_fits(torch.ones(1000, 3, 8), torch.ones(1, 4, short, 8), None, None, False)
+    assert not cpu.step_fits(torch.ones(1000, 3, 8), torch.ones(1, 4, short + 1, 8), None, None, False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
@@ -158,7 +157,31 @@ def test_a_nan_upstream_gradient_stays_on_its_links():
 
 def test_the_state_of_the_step_is_small_and_the_argmax_a_view():
     Q, D = torch.randn(3, 5, 16), torch.randn(1, 4, 6, 16)
-    scores, argmax, total = cpu.forward_for_step(Q, D)
+    scores, argmax, total = cpu.forward_for_step(Q, D, torch.int16)
     assert argmax.dtype == torch.int64 and argmax.shape == (3, 4, 5) and total.shape == ()
+    assert argmax._base is not None  # (max's own indices, viewed)
     assert torch.equal(argmax, cpu.forward(Q, D, None, None, False, True)[1].long())
     assert torch.equal(scores, cpu.forward(Q, D, None, None, False, False)[0])
+
+
+@pytest.mark.parametrize("layout", ["cross", "candidates"])
+def test_blocks_of_a_large_step_match_the_general_path_bitwise(layout, monkeypatch, general_only):
+    """Above one block (BLOCK_BYTES shrunk here) the step saves the rule's dtype and its backward builds W a block of
+    queries at a time, summing a shared document's gradient over the blocks: the same values as the general path's
+    link list (integer data: every sum exact)."""
+    Q = _ints((9, 5, 16), 1)
+    D = _ints((4, 6, 16) if layout == "cross" else (9, 4, 6, 16), 2)
+    want = general_only(layout, Q, D)
+    monkeypatch.setattr(cpu, "BLOCK_BYTES", 1500)  # (W of 3 queries a block: 5 x 4 x 6 x 4 bytes each)
+    blocks = spy(monkeypatch, cpu, "_one_hot_weights")
+    saved = spy(monkeypatch, cpu, "forward_for_step", lambda args, out: out[1].dtype)
+    got = _step(layout, Q, D)
+    assert saved == [torch.int16] and len(blocks) > 2
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    with monkeypatch.context() as m:  # (a non-finite token: the link list, whole)
+        m.setattr(cpu, "BLOCK_BYTES", 1500)
+        D[..., 1, 2, 3] = float("inf")
+        links = spy(m, cpu, "_backward_links")
+        _step(layout, Q, D)
+        assert len(links) == 1

@@ -29,15 +29,16 @@ step costs here (this 2-core machine, fp32, dim 128, ``Q [4, 8]`` tokens: cross 
 215 -> 92 µs, candidates 4 x 16 of 22 tokens 231 -> 123 µs, 4 x 7 of 41 216 -> 106 µs, pairs 16 x Ld 37 180 ->
 71 µs; at 4 x 16 x 37 (19,456 entries) both took ~215 µs)."""
 
-STEP_MAX_ENTRIES = 1 << 18
-STEP_MAX_LD = 64
-"""An unmasked training step (:func:`step_fits`) also takes the one-hot products above :data:`DENSE_BACKWARD_MAX`
-entries, up to ``STEP_MAX_ENTRIES`` (1 MB of fp32 weights), for documents of at most ``STEP_MAX_LD`` tokens: the
-products do ``Ld`` times the link list's multiply-adds, in GEMMs, against its gathers and ``index_add_``. Step
-times on this 2-core CPU, fp32, dim 128, link list -> one-hot (eager autograd): cross 4 x 16, Lq 8, Ld 37 383 -> 218
-µs (278); candidates 4 x 16 x 37 476 -> 348 (345); cross 8 x 16, Lq 16, Ld 32 734 -> 419 (461); candidates 16 x 16,
-Lq 16, Ld 64 1897 -> 1557 (1945); but at Ld 128 (4 x 16, Lq 16) 707 -> 694, at Ld 256 961 -> 1183, and candidates
-32 x 16, Lq 16, Ld 64 (524K entries) 3303 -> 3682."""
+STEP_MAX_LD = 96
+"""An unmasked training step (:func:`step_fits`) takes the one-hot products at any size for documents of at most this
+many tokens, in blocks of :data:`BLOCK_BYTES` of weights: the products do ``Ld`` times the link list's
+multiply-adds, in GEMMs, against its gathers and ``index_add_``. Step times on this 2-core CPU, fp32, dim 128, link
+list -> one-hot (eager autograd), ``--quick`` sizes in µs: cross 4 x 16, Lq 8, Ld 37 383 -> 218 (278); candidates 4
+x 16 x 37 476 -> 348 (345); cross 8 x 16, Lq 16, Ld 32 734 -> 419 (461); candidates 16 x 16, Lq 16, Ld 64 1897 ->
+1557 (1945). Full sizes in ms: cross 32 x 32, Lq 32, Ld 64 11.6 -> 8.0 (11.0), Ld 80 14.4 -> 10.1 (13.8), Ld 96 17.0
+-> 11.2 (16.3), Ld 112 13.8 -> 12.7 (18.0); candidates 64 x 32, Lq 32, Ld 32 21.6 -> 13.7 (21.9), Ld 64 40.9 -> 37.9
+(47.0); cross 128 x 128, Lq 32, Ld 32 136 -> 94 (158). Longer documents keep the link list: cross 64 x 64, Lq 32,
+Ld 128 66 -> 88 ms, candidates 64 x 32, Ld 180 98 -> 135, and at ``--quick`` sizes Ld 256 961 -> 1183 µs."""
 
 
 def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
@@ -66,6 +67,14 @@ def _blocks(Nq: int, K: int, Lq: int, Ld: int, dim: int, itemsize: int, shared: 
     return nq, nk
 
 
+def _one_block(Q: Tensor, D: Tensor) -> bool:
+    """Whether the whole problem is one block of :func:`_blocks` (its similarities and upcast documents within
+    :data:`BLOCK_BYTES`), checked without its arithmetic (tiny calls feel it)."""
+    Nq, Lq, dim = Q.shape
+    _, K, Ld, _ = D.shape
+    return Nq * K * Ld * (Lq + dim) * (8 if Q.dtype == torch.float64 else 4) <= BLOCK_BYTES
+
+
 def forward(
     Q: Tensor,
     D: Tensor,
@@ -77,19 +86,28 @@ def forward(
 ) -> tuple[Tensor, Tensor | None]:
     """Scores ``[Nq, K]`` (fp32, fp64 for fp64 inputs) and, if asked, argmax ``[Nq, K, Lq]`` in ``index_dtype``
     (int32 or int16; -1 = none), else None."""
+    return _forward(Q, D, q_mask, d_mask, normalize, need_argmax, index_dtype)[:2]
+
+
+def _forward(
+    Q: Tensor, D: Tensor, q_mask: Tensor | None, d_mask: Tensor | None, normalize: bool, need_argmax: bool,
+    index_dtype: torch.dtype, sum_sims: bool = False,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:  # fmt: skip
+    """:func:`forward`, a block at a time, plus (``sum_sims``) the sum of the unmasked similarities; an int64
+    ``index_dtype`` keeps ``max``'s own indices (a transposed view where the problem is one block)."""
     Nq, Lq, dim = Q.shape
     Bd, K, Ld, _ = D.shape
     acc = accum_dtype(Q.dtype)
     if Nq == 0 or K == 0 or Lq == 0 or Ld == 0:
         scores = torch.zeros((Nq, K), dtype=acc, device=Q.device)
-        return scores, torch.full((Nq, K, Lq), -1, dtype=index_dtype, device=Q.device) if need_argmax else None
-    size = 8 if acc == torch.float64 else 4
-    # (the whole problem as one block, which _blocks would also say: its arithmetic skipped on tiny calls)
-    if Nq * K * Ld * (Lq + dim) * size <= BLOCK_BYTES:
-        return _forward_block(Q, D, q_mask, d_mask, normalize, need_argmax, acc, index_dtype)[:2]
-    nq, nk = _blocks(Nq, K, Lq, Ld, dim, size, Bd == 1)
+        argmax = torch.full((Nq, K, Lq), -1, dtype=index_dtype, device=Q.device) if need_argmax else None
+        return scores, argmax, scores.new_zeros(()) if sum_sims else None
+    if _one_block(Q, D):
+        return _forward_block(Q, D, q_mask, d_mask, normalize, need_argmax, acc, index_dtype, sum_sims)
+    nq, nk = _blocks(Nq, K, Lq, Ld, dim, 8 if acc == torch.float64 else 4, Bd == 1)
     scores = torch.empty((Nq, K), dtype=acc, device=Q.device)
     argmax = torch.empty((Nq, K, Lq), dtype=index_dtype, device=Q.device) if need_argmax else None
+    total = scores.new_zeros(()) if sum_sims else None
     for q0 in range(0, Nq, nq):
         q1 = min(Nq, q0 + nq)
         b0, b1 = (0, 1) if Bd == 1 else (q0, q1)
@@ -97,11 +115,15 @@ def forward(
         for k0 in range(0, K, nk):
             k1 = min(K, k0 + nk)
             dm = None if d_mask is None else d_mask[b0:b1, k0:k1]
-            s, a, _ = _forward_block(Q[q0:q1], D[b0:b1, k0:k1], qm, dm, normalize, need_argmax, acc, index_dtype)
+            s, a, t = _forward_block(
+                Q[q0:q1], D[b0:b1, k0:k1], qm, dm, normalize, need_argmax, acc, index_dtype, sum_sims
+            )  # fmt: skip
             scores[q0:q1, k0:k1] = s
             if need_argmax:
                 argmax[q0:q1, k0:k1] = a
-    return scores, argmax
+            if sum_sims:
+                total += t
+    return scores, argmax, total
 
 
 def _forward_block(
@@ -165,24 +187,24 @@ def _forward_block(
 def step_fits(Q: Tensor, D: Tensor, q_mask: Tensor | None, d_mask: Tensor | None, normalize: bool) -> bool:
     """Whether a training step on canonical ``Q``, ``D`` takes :func:`forward_for_step` and
     :func:`backward_for_step`: CPU tensors, no masks, no normalize, nothing empty, and one-hot weights of at most
-    :data:`DENSE_BACKWARD_MAX` entries, or of :data:`STEP_MAX_ENTRIES` for documents of :data:`STEP_MAX_LD` tokens."""
+    :data:`DENSE_BACKWARD_MAX` entries or documents of at most :data:`STEP_MAX_LD` tokens."""
     Nq, Lq, _ = Q.shape
     _, K, Ld, _ = D.shape
     entries = Nq * K * Lq * Ld
     return (
         Q.device.type == "cpu" and q_mask is None and d_mask is None and not normalize and entries > 0
-        and (entries <= DENSE_BACKWARD_MAX or (entries <= STEP_MAX_ENTRIES and Ld <= STEP_MAX_LD))
+        and (entries <= DENSE_BACKWARD_MAX or Ld <= STEP_MAX_LD)
     )  # fmt: skip
 
 
-def forward_for_step(Q: Tensor, D: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The forward of a training step where :func:`step_fits`: the scores, the argmax ``[Nq, K, Lq]`` as ``max``'s
-    own int64 indices (a transposed view: a conversion and a copy fewer on each side of the step, which a tiny step
-    feels; a few KB at these sizes) and the sum of every similarity. That sum is finite exactly when every token is
-    (each token meets every token of the other side in a similarity; an overflow only errs on the safe side), so
-    :func:`backward_for_step` reads it instead of summing the tokens again."""
-    scores, argmax, total = _forward_block(Q, D, None, None, False, True, accum_dtype(Q.dtype), torch.int64, True)
-    return scores, argmax, total
+def forward_for_step(Q: Tensor, D: Tensor, index_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """The forward of a training step where :func:`step_fits`: the scores, the argmax ``[Nq, K, Lq]`` and the sum of
+    every similarity. A problem of one block keeps ``max``'s own int64 indices (a transposed view: a conversion and a
+    copy fewer on each side of the step, which a tiny step feels; a few KB at those sizes); a larger one saves
+    ``index_dtype``. The sum is finite exactly when every token is (each token meets every token of the other side in
+    a similarity; an overflow only errs on the safe side), so :func:`backward_for_step` reads it instead of summing
+    the tokens again."""
+    return _forward(Q, D, None, None, False, True, torch.int64 if _one_block(Q, D) else index_dtype, True)
 
 
 def backward_for_step(grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, sims_sum: Tensor) -> tuple[Tensor, Tensor]:
@@ -350,30 +372,57 @@ def _one_hot_worthwhile(Q: Tensor, D: Tensor) -> bool:
 def _backward_one_hot(
     grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, all_chosen: bool = False
 ) -> tuple[Tensor, Tensor]:
-    """:func:`_backward_links` of a small problem with finite tokens, as two products with the one-hot weights
+    """:func:`_backward_links` of a problem with finite tokens, as two products with the one-hot weights
     ``W[q, i, k, j] = grad[q, k]`` where query token ``i`` of pair ``(q, k)`` chose document token ``j`` (0 elsewhere,
-    and for a token that chose nothing, -1): ``dQ = W · D`` and ``dD = Wᵀ · Q``. The same terms as the link list,
-    plus exact zeros, summed in another order. ``all_chosen``: no -1 in ``argmax`` (no masks), so W is a scatter."""
+    and for a token that chose nothing, -1): ``dQ = W · D`` and ``dD = Wᵀ · Q``, a block of queries at a time (W of at
+    most :data:`BLOCK_BYTES`; a shared document's gradient summed over the blocks in order). The same terms as the
+    link list, plus exact zeros, summed in another order. ``all_chosen``: no -1 in ``argmax`` (no masks), so W is a
+    scatter."""
     Nq, Lq, dim = Q.shape
     Bd, K, Ld, _ = D.shape
     acc = accum_dtype(Q.dtype)
     Qa, Da = _as(Q, acc), _as(D, acc)
-    chosen = argmax.transpose(1, 2)  # [Nq, Lq, K]
-    if all_chosen:
-        w = torch.zeros((Nq, Lq, K, Ld), dtype=acc, device=Q.device)
-        w.scatter_(3, chosen.long().unsqueeze(-1), _as(grad, acc).view(Nq, 1, K, 1).expand(Nq, Lq, K, 1))
-    else:  # (a compare and a select: the fewest ops that build W with -1 among the indices)
-        hit = chosen.unsqueeze(-1) == torch.arange(Ld, device=Q.device)
-        w = torch.where(hit, _as(grad, acc).view(Nq, 1, K, 1), 0.0)
-    if Bd == 1:
-        w = w.reshape(Nq * Lq, K * Ld)
-        dQ = (w @ Da.reshape(K * Ld, dim)).view(Nq, Lq, dim)
-        dD = (w.T @ Qa.reshape(Nq * Lq, dim)).view(1, K, Ld, dim)
-    else:
-        w = w.reshape(Nq, Lq, K * Ld)
-        dQ = torch.bmm(w, Da.reshape(Nq, K * Ld, dim))
-        dD = torch.bmm(w.transpose(1, 2), Qa).view(Nq, K, Ld, dim)
+    grad = _as(grad, acc)
+    n = K * Ld
+    nq = max(1, min(Nq, BLOCK_BYTES // (Lq * n * (8 if acc == torch.float64 else 4))))
+    if nq == Nq:  # (one block: the fewest ops)
+        w = _one_hot_weights(grad, argmax, Ld, all_chosen)
+        if Bd == 1:
+            w = w.reshape(Nq * Lq, n)
+            dQ = (w @ Da.reshape(n, dim)).view(Nq, Lq, dim)
+            dD = (w.T @ Qa.reshape(Nq * Lq, dim)).view(1, K, Ld, dim)
+        else:
+            w = w.reshape(Nq, Lq, n)
+            dQ = torch.bmm(w, Da.reshape(Nq, n, dim))
+            dD = torch.bmm(w.transpose(1, 2), Qa).view(Nq, K, Ld, dim)
+        return _as(dQ, Q.dtype), _as(dD, D.dtype)
+    dQ = torch.empty((Nq, Lq, dim), dtype=acc, device=Q.device)
+    dD = torch.zeros((1, K, Ld, dim), dtype=acc, device=Q.device) if Bd == 1 else torch.empty_like(Da)
+    for q0 in range(0, Nq, nq):
+        q1 = min(Nq, q0 + nq)
+        w = _one_hot_weights(grad[q0:q1], argmax[q0:q1], Ld, all_chosen)
+        if Bd == 1:
+            w = w.reshape((q1 - q0) * Lq, n)
+            torch.mm(w, Da.reshape(n, dim), out=dQ[q0:q1].view(-1, dim))
+            dD.view(n, dim).addmm_(w.T, Qa[q0:q1].reshape(-1, dim))
+        else:
+            w = w.reshape(q1 - q0, Lq, n)
+            torch.bmm(w, Da[q0:q1].reshape(q1 - q0, n, dim), out=dQ[q0:q1])
+            torch.bmm(w.transpose(1, 2), Qa[q0:q1], out=dD[q0:q1].view(q1 - q0, n, dim))
     return _as(dQ, Q.dtype), _as(dD, D.dtype)
+
+
+def _one_hot_weights(grad: Tensor, argmax: Tensor, Ld: int, all_chosen: bool) -> Tensor:
+    """``W [q, Lq, K, Ld]`` of :func:`_backward_one_hot` from ``grad [q, K]`` (the accumulation dtype) and
+    ``argmax [q, K, Lq]`` (any int dtype)."""
+    q, K = grad.shape
+    chosen = argmax.transpose(1, 2)  # [q, Lq, K]
+    if all_chosen:
+        w = torch.zeros((*chosen.shape, Ld), dtype=grad.dtype, device=grad.device)
+        return w.scatter_(3, chosen.long().unsqueeze(-1), grad.view(q, 1, K, 1).expand(*chosen.shape, 1))
+    # (a compare and a select: the fewest ops that build W with -1 among the indices)
+    hit = chosen.unsqueeze(-1) == torch.arange(Ld, device=grad.device)
+    return torch.where(hit, grad.view(q, 1, K, 1), 0.0)
 
 
 def project_normalized_grad(g_hat: Tensor, x_hat: Tensor, norm: Tensor) -> Tensor:

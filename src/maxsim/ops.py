@@ -96,7 +96,7 @@ def forward_impl(
     if views is not None:
         Q, D = _in_views(Q, D, views)
     if step and rg is None and cpu.step_fits(Q, D, q_mask, d_mask, normalize):
-        scores, argmax, sims_sum = cpu.forward_for_step(Q, D)
+        scores, argmax, sims_sum = cpu.forward_for_step(Q, D, argmax_dtype(D.shape[2]))
         if views is not None:
             scores, argmax = _out_views(scores, argmax, views)
         return scores, argmax, (sims_sum,)
