@@ -384,7 +384,7 @@ def _backward_one_hot(
     Qa, Da = _as(Q, acc), _as(D, acc)
     grad = _as(grad, acc)
     n = K * Ld
-    nq = max(1, min(Nq, BLOCK_BYTES // (Lq * n * (8 if acc == torch.float64 else 4))))
+    nq = max(1, min(Nq, BLOCK_BYTES // max(1, Lq * n * (8 if acc == torch.float64 else 4))))
     if nq == Nq:  # (one block: the fewest ops)
         w = _one_hot_weights(grad, argmax, Ld, all_chosen)
         if Bd == 1:
