@@ -35,6 +35,23 @@ def test_one_hot_products_match_the_link_list(layout, dtype, masked):
         torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("layout", ["cross", "candidates"])
+def test_one_hot_in_blocks_of_queries_matches_the_link_list(layout, monkeypatch):
+    """Masked, W built a block of queries at a time (BLOCK_BYTES shrunk: one query a block here), a shared
+    document's gradient summed over the blocks: the link list's values (integer data: exact sums)."""
+    grad, Q, D, argmax = _case(layout, torch.float32, True)
+    grad = grad.round()
+    links = cpu._backward_links(grad, Q, D, argmax, False)
+    monkeypatch.setattr(cpu, "BLOCK_BYTES", 7 * 5 * 9 * 4)
+    blocks = []
+    real = cpu._one_hot_weights
+    monkeypatch.setattr(cpu, "_one_hot_weights", lambda *a: blocks.append(a) or real(*a))
+    one_hot = cpu._backward_one_hot(grad, Q, D, argmax)
+    assert len(blocks) == 3
+    for a, b in zip(one_hot, links, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_one_hot_keeps_nan_upstream_gradients_on_their_links():
     grad, Q, D, argmax = _case("cross", torch.float32, True)
     grad[1, 2] = float("nan")
@@ -53,6 +70,8 @@ def test_the_rule_small_and_finite_only(monkeypatch):
     assert not cpu._one_hot_worthwhile(Q, poisoned)
     assert not cpu._one_hot_worthwhile(Q.clone().fill_(float("nan")), D)
     monkeypatch.setattr(cpu, "DENSE_BACKWARD_MAX", 3 * 5 * 7 * 9 - 1)  # (one entry short)
+    assert cpu._one_hot_worthwhile(Q, D)  # (documents of 9 tokens: short enough at any size)
+    monkeypatch.setattr(cpu, "STEP_MAX_LD", 8)
     assert not cpu._one_hot_worthwhile(Q, D)
     calls = []
     monkeypatch.setattr(cpu, "_backward_one_hot", lambda *a: calls.append(a))

@@ -27,7 +27,10 @@ DENSE_BACKWARD_MAX = 1 << 14
 with them (:func:`_backward_one_hot`): a handful of ops instead of the ~30 of the link list, which is what a tiny
 step costs here (this 2-core machine, fp32, dim 128, ``Q [4, 8]`` tokens: cross against 16 documents of 10 tokens
 215 -> 92 µs, candidates 4 x 16 of 22 tokens 231 -> 123 µs, 4 x 7 of 41 216 -> 106 µs, pairs 16 x Ld 37 180 ->
-71 µs; at 4 x 16 x 37 (19,456 entries) both took ~215 µs)."""
+71 µs; at 4 x 16 x 37 (19,456 entries) both took ~215 µs). So do backwards of documents of at most
+:data:`STEP_MAX_LD` tokens at any size, masked ones included (full size, 20 % of the document tokens and 10 % of the
+query tokens masked, link list -> one-hot, eager: cross 32 x 32 Lq32 Ld80 15.5 -> 11.6 ms (20.0), candidates 64 x 32
+Lq32 Ld32 24.6 -> 13.7 (26.5); Ld 64 9.1 -> 9.2 (13.2); Ld 128 75 -> 93: not taken)."""
 
 STEP_MAX_LD = 96
 """An unmasked training step (:func:`step_fits`) takes the one-hot products at any size for documents of at most this
@@ -357,13 +360,15 @@ def _backward_links(grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, normaliz
 
 
 def _one_hot_worthwhile(Q: Tensor, D: Tensor) -> bool:
-    """Small enough for :func:`_backward_one_hot`, and every token finite: a product with one-hot weights multiplies
-    every token by something (0 · inf is NaN), where the link list reads only the chosen ones. A sum is finite only
-    if every term is (one that overflows sends the call to the link list, which is exact too). CPU tensors only: the
-    sums are read as Python floats (a read of CPU memory, not a sync; ~2 µs against ~6 for ``isfinite`` on them)."""
+    """Small enough for :func:`_backward_one_hot` (:data:`DENSE_BACKWARD_MAX`) or of documents short enough
+    (:data:`STEP_MAX_LD`, the products then in blocks), and every token finite: a product with one-hot weights
+    multiplies every token by something (0 · inf is NaN), where the link list reads only the chosen ones. A sum is
+    finite only if every term is (one that overflows sends the call to the link list, which is exact too). CPU
+    tensors only: the sums are read as Python floats (a read of CPU memory, not a sync; ~2 µs against ~6 for
+    ``isfinite`` on them)."""
     Nq, Lq, _ = Q.shape
     _, K, Ld, _ = D.shape
-    if Nq * K * Lq * Ld > DENSE_BACKWARD_MAX:
+    if Nq * K * Lq * Ld > DENSE_BACKWARD_MAX and Ld > STEP_MAX_LD:
         return False
     acc = accum_dtype(Q.dtype)  # (a float64 sum of fp32 tokens costs 4x the fp32 one; isfinite().all() 24x)
     return math.isfinite(float(Q.sum(dtype=acc)) + float(D.sum(dtype=acc)))
@@ -417,12 +422,13 @@ def _one_hot_weights(grad: Tensor, argmax: Tensor, Ld: int, all_chosen: bool) ->
     ``argmax [q, K, Lq]`` (any int dtype)."""
     q, K = grad.shape
     chosen = argmax.transpose(1, 2)  # [q, Lq, K]
+    w = torch.zeros((*chosen.shape, Ld), dtype=grad.dtype, device=grad.device)
     if all_chosen:
-        w = torch.zeros((*chosen.shape, Ld), dtype=grad.dtype, device=grad.device)
         return w.scatter_(3, chosen.long().unsqueeze(-1), grad.view(q, 1, K, 1).expand(*chosen.shape, 1))
-    # (a compare and a select: the fewest ops that build W with -1 among the indices)
-    hit = chosen.unsqueeze(-1) == torch.arange(Ld, device=grad.device)
-    return torch.where(hit, grad.view(q, 1, K, 1), 0.0)
+    # A token that chose nothing (-1) scatters 0 to token 0 (its row of W holds nothing else): the fix-ups touch the
+    # [q, Lq, K] indices, not W.
+    weight = torch.where(chosen >= 0, grad.view(q, 1, K), 0.0)
+    return w.scatter_(3, chosen.long().clamp_min_(0).unsqueeze(-1), weight.unsqueeze(-1))
 
 
 def project_normalized_grad(g_hat: Tensor, x_hat: Tensor, norm: Tensor) -> Tensor:
