@@ -121,31 +121,31 @@ def backward_impl(
     deterministic: bool,
     impl: str,
     rg: Ragged | None = None,
-    norms: tuple[Tensor, ...] | None = None,
+    kept: tuple[Tensor, ...] | None = None,
     views: Views | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``(dQ, dD)`` shaped as ``Q`` and ``D``; ``norms``: what :func:`forward_impl` kept, or None; ``views``: ``Q``
+    """``(dQ, dD)`` shaped as ``Q`` and ``D``; ``kept``: what :func:`forward_impl` kept, or None; ``views``: ``Q``
     and ``D`` are the caller's tensors, to be viewed canonically, and ``grad`` and ``argmax`` have the caller's
     result shape (as :func:`forward_impl` returned them)."""
     if impl == "triton":
-        return _triton_path().backward(grad, Q, D, argmax, normalize, deterministic, rg, norms, views=views)
+        return _triton_path().backward(grad, Q, D, argmax, normalize, deterministic, rg, kept, views=views)
     if views is None:
-        return _torch_backward(grad, Q, D, argmax, normalize, deterministic, rg, norms)
+        return _torch_backward(grad, Q, D, argmax, normalize, deterministic, rg, kept)
     Qc, Dc = _in_views(Q, D, views)
     if views.out is not None:  # (the caller's result shape: viewed back as the [Nq, K] grid)
         Nq, Lq, _, K, _, _ = dims(Qc, Dc, rg)
         grad, argmax = grad.view(Nq, K), argmax.view(Nq, K, Lq)
-    dQ, dD = _torch_backward(grad, Qc, Dc, argmax, normalize, deterministic, rg, norms)
+    dQ, dD = _torch_backward(grad, Qc, Dc, argmax, normalize, deterministic, rg, kept)
     return view_as_given(dQ, views.q), view_as_given(dD, views.d)
 
 
 def _torch_backward(
     grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, normalize: bool, deterministic: bool, rg: Ragged | None,
-    norms: tuple[Tensor, ...] | None,
+    kept: tuple[Tensor, ...] | None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """:func:`backward_impl` of the PyTorch paths on canonical tensors."""
-    if norms is not None:  # (forward_for_step's state)
-        return cpu.backward_for_step(grad, Q, D, argmax, *norms)
+    if kept is not None:  # (forward_for_step's state)
+        return cpu.backward_for_step(grad, Q, D, argmax, *kept)
     if rg is not None:
         argmax = argmax.to(torch.int32)  # (what the ragged paths index with; saved as argmax_dtype)
         return cpu_ragged.backward(grad, Q, D, argmax, normalize, deterministic, rg)
@@ -178,7 +178,7 @@ def forward(
     ``max_d``. ``deterministic`` only matters to the backward (it is recorded here for autograd).
     """
     rg = ragged(q_seg, d_seg, pair_q, pair_d, max_q, max_d)
-    scores, argmax, _norms = forward_impl(Q, D, q_mask, d_mask, normalize, need_argmax, impl, rg)
+    scores, argmax, _kept = forward_impl(Q, D, q_mask, d_mask, normalize, need_argmax, impl, rg)
     return scores, (scores.new_empty((0,), dtype=torch.int32) if argmax is None else argmax)
 
 
@@ -266,8 +266,8 @@ class _MaxSimFunction(torch.autograd.Function):
         q_mask, d_mask, normalize, impl, _deterministic, rg, views = call
         # (the caller's Q and D, saved as given: neither pass makes their canonical views on a planned call)
         # (in the caller's shapes: neither pass makes a view of the results either)
-        scores, argmax, norms = forward_impl(Q, D, q_mask, d_mask, normalize, True, impl, rg, views, step=True)
-        ctx.save_for_backward(Q, D, argmax, *(norms or ()))
+        scores, argmax, kept = forward_impl(Q, D, q_mask, d_mask, normalize, True, impl, rg, views, step=True)
+        ctx.save_for_backward(Q, D, argmax, *(kept or ()))
         ctx.call = call[2:]  # (not the masks: the backward does not need them alive)
         # No zero-filled gradient for the (non-differentiable) argmax output: one allocation and fill fewer per step.
         ctx.set_materialize_grads(False)
@@ -278,10 +278,10 @@ class _MaxSimFunction(torch.autograd.Function):
     def backward(ctx, grad_scores, _grad_argmax):
         if grad_scores is None:
             return None, None, None
-        Q, D, argmax, *norms = ctx.saved_tensors
+        Q, D, argmax, *kept = ctx.saved_tensors
         normalize, impl, deterministic, rg, views = ctx.call
-        norms = tuple(norms) or None
-        dQ, dD = backward_impl(grad_scores, Q, D, argmax, normalize, deterministic, impl, rg, norms, views)
+        kept = tuple(kept) or None
+        dQ, dD = backward_impl(grad_scores, Q, D, argmax, normalize, deterministic, impl, rg, kept, views)
         return dQ, dD, None
 
 
