@@ -164,13 +164,16 @@ def test_the_state_of_the_step_is_small_and_the_argmax_a_view():
     assert torch.equal(scores, cpu.forward(Q, D, None, None, False, False)[0])
 
 
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "transposed"])
 @pytest.mark.parametrize("layout", ["cross", "candidates"])
-def test_blocks_of_a_large_step_match_the_general_path_bitwise(layout, monkeypatch, general_only):
+def test_blocks_of_a_large_step_match_the_general_path_bitwise(layout, strided, monkeypatch, general_only):
     """Above one block (BLOCK_BYTES shrunk here) the step saves the rule's dtype and its backward builds W a block of
     queries at a time, summing a shared document's gradient over the blocks: the same values as the general path's
-    link list (integer data: every sum exact)."""
+    link list (integer data: every sum exact), for inputs given as transposed views too."""
     Q = _ints((9, 5, 16), 1)
     D = _ints((4, 6, 16) if layout == "cross" else (9, 4, 6, 16), 2)
+    if strided:  # (the same values, in views whose last two axes are swapped in memory)
+        Q, D = Q.transpose(-1, -2).contiguous().transpose(-1, -2), D.transpose(-1, -2).contiguous().transpose(-1, -2)
     want = general_only(layout, Q, D)
     monkeypatch.setattr(cpu, "BLOCK_BYTES", 1500)  # (W of 3 queries a block: 5 x 4 x 6 x 4 bytes each)
     blocks = spy(monkeypatch, cpu, "_one_hot_weights")

@@ -402,7 +402,7 @@ def _backward_one_hot(
             dD = torch.bmm(w.transpose(1, 2), Qa).view(Nq, K, Ld, dim)
         return _as(dQ, Q.dtype), _as(dD, D.dtype)
     dQ = torch.empty((Nq, Lq, dim), dtype=acc, device=Q.device)
-    dD = torch.zeros((1, K, Ld, dim), dtype=acc, device=Q.device) if Bd == 1 else torch.empty_like(Da)
+    dD = (torch.zeros if Bd == 1 else torch.empty)((Bd, K, Ld, dim), dtype=acc, device=Q.device)
     for q0 in range(0, Nq, nq):
         q1 = min(Nq, q0 + nq)
         w = _one_hot_weights(grad[q0:q1], argmax[q0:q1], Ld, all_chosen)
