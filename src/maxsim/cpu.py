@@ -33,15 +33,16 @@ query tokens masked, link list -> one-hot, eager: cross 32 x 32 Lq32 Ld80 15.5 -
 Lq32 Ld32 24.6 -> 13.7 (26.5); Ld 64 9.1 -> 9.2 (13.2); Ld 128 75 -> 93: not taken)."""
 
 STEP_MAX_LD = 96
-"""An unmasked training step (:func:`step_fits`) takes the one-hot products at any size for documents of at most this
-many tokens, in blocks of :data:`BLOCK_BYTES` of weights: the products do ``Ld`` times the link list's
-multiply-adds, in GEMMs, against its gathers and ``index_add_``. Step times on this 2-core CPU, fp32, dim 128, link
-list -> one-hot (eager autograd), ``--quick`` sizes in µs: cross 4 x 16, Lq 8, Ld 37 383 -> 218 (278); candidates 4
-x 16 x 37 476 -> 348 (345); cross 8 x 16, Lq 16, Ld 32 734 -> 419 (461); candidates 16 x 16, Lq 16, Ld 64 1897 ->
-1557 (1945). Full sizes in ms: cross 32 x 32, Lq 32, Ld 64 11.6 -> 8.0 (11.0), Ld 80 14.4 -> 10.1 (13.8), Ld 96 17.0
--> 11.2 (16.3), Ld 112 13.8 -> 12.7 (18.0); candidates 64 x 32, Lq 32, Ld 32 21.6 -> 13.7 (21.9), Ld 64 40.9 -> 37.9
-(47.0); cross 128 x 128, Lq 32, Ld 32 136 -> 94 (158). Longer documents keep the link list: cross 64 x 64, Lq 32,
-Ld 128 66 -> 88 ms, candidates 64 x 32, Ld 180 98 -> 135, and at ``--quick`` sizes Ld 256 961 -> 1183 µs."""
+"""Backwards of documents of at most this many tokens take the one-hot products at any size (an unmasked training step
+through :func:`step_fits`, others through :func:`_one_hot_worthwhile`), in blocks of :data:`BLOCK_BYTES` of weights:
+the products do ``Ld`` times the link list's multiply-adds, in GEMMs, against its gathers and ``index_add_``. Step
+times on this 2-core CPU, fp32, dim 128, link list -> one-hot (eager autograd), ``--quick`` sizes in µs: cross 4 x 16,
+Lq 8, Ld 37 383 -> 218 (278); candidates 4 x 16 x 37 476 -> 348 (345); cross 8 x 16, Lq 16, Ld 32 734 -> 419 (461);
+candidates 16 x 16, Lq 16, Ld 64 1897 -> 1557 (1945). Full sizes in ms: cross 32 x 32, Lq 32, Ld 64 11.6 -> 8.0
+(11.0), Ld 80 14.4 -> 10.1 (13.8), Ld 96 17.0 -> 11.2 (16.3), Ld 112 13.8 -> 12.7 (18.0); candidates 64 x 32, Lq 32,
+Ld 32 21.6 -> 13.7 (21.9), Ld 64 40.9 -> 37.9 (47.0); cross 128 x 128, Lq 32, Ld 32 136 -> 94 (158). Longer documents
+keep the link list: cross 64 x 64, Lq 32, Ld 128 66 -> 88 ms, candidates 64 x 32, Ld 180 98 -> 135, and at
+``--quick`` sizes Ld 256 961 -> 1183 µs."""
 
 
 def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
