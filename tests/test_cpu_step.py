@@ -70,7 +70,7 @@ def test_the_rule():
     assert cpu.step_fits(Q, D, None, None, False)
     assert not cpu.step_fits(Q, D, torch.ones(2, 3, dtype=torch.bool), None, False)
     assert not cpu.step_fits(Q, D, None, torch.ones(1, 4, 5, dtype=torch.bool), False)
-    assert not cpu.step_fits(Q, D, None, None, True)
+    assert cpu.step_fits(Q, D, None, None, True)  # (normalize: the products with the normalized tokens)
     assert not cpu.step_fits(Q[:, :0], D, None, None, False)
     assert not cpu.step_fits(Q, D[:, :, :0], None, None, False)
     assert not cpu.step_fits(Q.to("meta"), D.to("meta"), None, None, False)
@@ -102,6 +102,45 @@ def test_every_layout_takes_the_step_and_matches_the_general_path_bitwise(layout
     ref_scores, ref_argmax = reference.scores_and_argmax(*_canonical(layout, Q.double(), D.double()))
     assert torch.equal(got[0].double().reshape(ref_scores.shape), ref_scores)
     assert torch.equal(got[1].long().reshape(ref_argmax.shape), ref_argmax)  # (ties: the lowest token)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("layout", ["cross", "candidates", "pairs"])
+def test_normalized_one_hot_matches_the_link_list_and_the_reference(layout, masked, monkeypatch, general_only):
+    """normalize=True: the products with the normalized tokens and the chain rule through the normalization (the step
+    unmasked, the general backward masked), against the link list and the float64 reference; a zero document token
+    and a query token whose norm is below eps are among them."""
+    q_shape, d_shape = LAYOUTS[layout]
+    g = torch.Generator().manual_seed(5)
+    Q, D = torch.randn(q_shape, generator=g), torch.randn(d_shape, generator=g)
+    D[..., 0, 1, :] = 0.0
+    Q[0, 0] *= 1e-14  # (a norm below eps: a plain scaling by 1 / eps, no projection)
+    fn = maxsim.maxsim_pairs if layout == "pairs" else maxsim.maxsim
+    masks = {}
+    if masked:
+        q_mask, d_mask = torch.rand(Q.shape[:-1], generator=g) > 0.2, torch.rand(D.shape[:-1], generator=g) > 0.3
+        q_mask[0, 0] = True
+        masks = dict(q_mask=q_mask, d_mask=d_mask)
+    w = torch.randn(fn(Q, D, **masks).shape, generator=g)
+
+    def grads(Q, D):
+        q, d = Q.clone().requires_grad_(), D.clone().requires_grad_()
+        return torch.autograd.grad(fn(q, d, normalize=True, **masks), (q, d), w.to(Q.dtype))
+
+    one_hot, real = [], cpu._backward_one_hot_normalized
+    monkeypatch.setattr(cpu, "_backward_one_hot_normalized", lambda *a, **k: one_hot.append(a) or real(*a, **k))
+    got = grads(Q, D)
+    assert len(one_hot) == 1
+    with monkeypatch.context() as m:
+        m.setattr(cpu, "DENSE_BACKWARD_MAX", 0)
+        m.setattr(cpu, "STEP_MAX_LD", 0)
+        links = grads(Q, D)
+    qr, dr = Q.double().requires_grad_(), D.double().requires_grad_()
+    ref_fn = reference.maxsim_pairs if layout == "pairs" else reference.maxsim
+    ref = torch.autograd.grad(ref_fn(qr, dr, normalize=True, **masks), (qr, dr), w.double())
+    for a, b, r in zip(got, links, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a.double(), r, rtol=1e-5, atol=1e-6)
 
 
 def _canonical(layout: str, Q: torch.Tensor, D: torch.Tensor):
@@ -157,7 +196,7 @@ def test_a_nan_upstream_gradient_stays_on_its_links():
 
 def test_the_state_of_the_step_is_small_and_the_argmax_a_view():
     Q, D = torch.randn(3, 5, 16), torch.randn(1, 4, 6, 16)
-    scores, argmax, total = cpu.forward_for_step(Q, D, torch.int16)
+    scores, argmax, total = cpu.forward_for_step(Q, D, False, torch.int16)
     assert argmax.dtype == torch.int64 and argmax.shape == (3, 4, 5) and total.shape == ()
     assert argmax._base is not None  # (max's own indices, viewed)
     assert torch.equal(argmax, cpu.forward(Q, D, None, None, False, True)[1].long())

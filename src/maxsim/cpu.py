@@ -190,33 +190,37 @@ def _forward_block(
 
 def step_fits(Q: Tensor, D: Tensor, q_mask: Tensor | None, d_mask: Tensor | None, normalize: bool) -> bool:
     """Whether a training step on canonical ``Q``, ``D`` takes :func:`forward_for_step` and
-    :func:`backward_for_step`: CPU tensors, no masks, no normalize, nothing empty, and one-hot weights of at most
+    :func:`backward_for_step`: CPU tensors, no masks, nothing empty, and one-hot weights of at most
     :data:`DENSE_BACKWARD_MAX` entries or documents of at most :data:`STEP_MAX_LD` tokens."""
     Nq, Lq, _ = Q.shape
     _, K, Ld, _ = D.shape
     entries = Nq * K * Lq * Ld
     return (
-        Q.device.type == "cpu" and q_mask is None and d_mask is None and not normalize and entries > 0
+        Q.device.type == "cpu" and q_mask is None and d_mask is None and entries > 0
         and (entries <= DENSE_BACKWARD_MAX or Ld <= STEP_MAX_LD)
     )  # fmt: skip
 
 
-def forward_for_step(Q: Tensor, D: Tensor, index_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+def forward_for_step(Q: Tensor, D: Tensor, normalize: bool, index_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """The forward of a training step where :func:`step_fits`: the scores, the argmax ``[Nq, K, Lq]`` and the sum of
     every similarity. A problem of one block keeps ``max``'s own int64 indices (a transposed view: a conversion and a
     copy fewer on each side of the step, which a tiny step feels; a few KB at those sizes); a larger one saves
     ``index_dtype``. The sum is finite exactly when every token is (each token meets every token of the other side in
-    a similarity; an overflow only errs on the safe side), so :func:`backward_for_step` reads it instead of summing
-    the tokens again."""
-    return _forward(Q, D, None, None, False, True, torch.int64 if _one_block(Q, D) else index_dtype, True)
+    a similarity; an overflow only errs on the safe side; with ``normalize``, of the normalized tokens), so
+    :func:`backward_for_step` reads it instead of summing the tokens again."""
+    return _forward(Q, D, None, None, normalize, True, torch.int64 if _one_block(Q, D) else index_dtype, True)
 
 
-def backward_for_step(grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, sims_sum: Tensor) -> tuple[Tensor, Tensor]:
+def backward_for_step(
+    grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, normalize: bool, sims_sum: Tensor
+) -> tuple[Tensor, Tensor]:
     """The backward after :func:`forward_for_step`: the one-hot products where every token is finite, else the
     link list (reads a CPU scalar: not a sync)."""
     if math.isfinite(float(sims_sum)):
+        if normalize:
+            return _backward_one_hot_normalized(grad, Q, D, argmax, all_chosen=True)
         return _backward_one_hot(grad, Q, D, argmax, all_chosen=True)
-    return _backward_links(grad, Q, D, _as(argmax, torch.int32), False)
+    return _backward_links(grad, Q, D, _as(argmax, torch.int32), normalize)
 
 
 def backward(
@@ -233,7 +237,9 @@ def backward(
     On other devices ``index_add_`` uses atomics, so ``deterministic=True`` there selects the tokens with a one-hot
     product instead (fixed summation order).
     """
-    if Q.device.type == "cpu" and not normalize and _one_hot_worthwhile(Q, D):
+    if Q.device.type == "cpu" and _one_hot_worthwhile(Q, D):
+        if normalize:
+            return _backward_one_hot_normalized(grad, Q, D, argmax)
         return _backward_one_hot(grad, Q, D, argmax)
     argmax = _as(argmax, torch.int32)  # (saved as int16 where the documents allow it)
     if Q.device.type == "cpu":
@@ -418,6 +424,20 @@ def _backward_one_hot(
     return _as(dQ, Q.dtype), _as(dD, D.dtype)
 
 
+def _backward_one_hot_normalized(
+    grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, all_chosen: bool = False
+) -> tuple[Tensor, Tensor]:
+    """:func:`_backward_one_hot` of ``normalize=True`` (finite tokens): the products with the normalized tokens, then
+    the chain rule through the normalization (:func:`project_normalized_grad`; a token that received no gradient
+    gets exactly zero from the formula itself, its tokens being finite)."""
+    acc = accum_dtype(Q.dtype)
+    (Qh, norm_q), (Dh, norm_d) = _normalized(_as(Q, acc)), _normalized(_as(D, acc))
+    dQh, dDh = _backward_one_hot(grad, Qh, Dh, argmax, all_chosen)
+    dQ = project_normalized_grad(dQh, Qh, norm_q, finite=True)
+    dD = project_normalized_grad(dDh, Dh, norm_d, finite=True)
+    return _as(dQ, Q.dtype), _as(dD, D.dtype)
+
+
 def _one_hot_weights(grad: Tensor, argmax: Tensor, Ld: int, all_chosen: bool) -> Tensor:
     """``W [q, Lq, K, Ld]`` of :func:`_backward_one_hot` from ``grad [q, K]`` (the accumulation dtype) and
     ``argmax [q, K, Lq]`` (any int dtype)."""
@@ -432,7 +452,7 @@ def _one_hot_weights(grad: Tensor, argmax: Tensor, Ld: int, all_chosen: bool) ->
     return w.scatter_(3, chosen.long().clamp_min_(0).unsqueeze(-1), weight.unsqueeze(-1))
 
 
-def project_normalized_grad(g_hat: Tensor, x_hat: Tensor, norm: Tensor) -> Tensor:
+def project_normalized_grad(g_hat: Tensor, x_hat: Tensor, norm: Tensor, finite: bool = False) -> Tensor:
     """Chain a gradient w.r.t. ``x̂ = x / max(||x||, eps)`` back to ``x``: ``(ĝ − x̂ <x̂, ĝ>) / ||x||``.
 
     ``norm`` is the unclamped ``||x||``; below ``eps`` the normalization is a plain scaling by ``1/eps`` and the
@@ -441,5 +461,7 @@ def project_normalized_grad(g_hat: Tensor, x_hat: Tensor, norm: Tensor) -> Tenso
     radial = (x_hat * g_hat).sum(dim=-1, keepdim=True)
     clamped = (norm < NORM_EPS)[..., None]
     grad = torch.where(clamped, g_hat, g_hat - x_hat * radial) / norm.clamp_min(NORM_EPS)[..., None]
+    if finite:  # (every token finite: where g_hat is zero the formula gives exactly zero)
+        return grad
     # A token that received no gradient (masked, or never the max) gets exactly zero, even if it holds NaN/inf.
     return torch.where((g_hat != 0).any(dim=-1, keepdim=True), grad, grad.new_zeros(()))

@@ -96,7 +96,7 @@ def forward_impl(
     if views is not None:
         Q, D = _in_views(Q, D, views)
     if step and rg is None and cpu.step_fits(Q, D, q_mask, d_mask, normalize):
-        scores, argmax, sims_sum = cpu.forward_for_step(Q, D, argmax_dtype(D.shape[2]))
+        scores, argmax, sims_sum = cpu.forward_for_step(Q, D, normalize, argmax_dtype(D.shape[2]))
         if views is not None:
             scores, argmax = _out_views(scores, argmax, views)
         return scores, argmax, (sims_sum,)
@@ -145,7 +145,7 @@ def _torch_backward(
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """:func:`backward_impl` of the PyTorch paths on canonical tensors."""
     if kept is not None:  # (forward_for_step's state)
-        return cpu.backward_for_step(grad, Q, D, argmax, *kept)
+        return cpu.backward_for_step(grad, Q, D, argmax, normalize, *kept)
     if rg is not None:
         argmax = argmax.to(torch.int32)  # (what the ragged paths index with; saved as argmax_dtype)
         return cpu_ragged.backward(grad, Q, D, argmax, normalize, deterministic, rg)
