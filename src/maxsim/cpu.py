@@ -458,9 +458,10 @@ def project_normalized_grad(g_hat: Tensor, x_hat: Tensor, norm: Tensor, finite: 
     ``norm`` is the unclamped ``||x||``; below ``eps`` the normalization is a plain scaling by ``1/eps`` and the
     projection term vanishes. All tensors in the accumulation dtype; per token, O(tokens × dim).
     """
-    radial = (x_hat * g_hat).sum(dim=-1, keepdim=True)
-    clamped = (norm < NORM_EPS)[..., None]
-    grad = torch.where(clamped, g_hat, g_hat - x_hat * radial) / norm.clamp_min(NORM_EPS)[..., None]
+    # (three passes over the gradient: the radial part, with no projection where the norm is clamped, taken out of
+    # ĝ and scaled in place; the per-token factors are small tensors)
+    radial = torch.linalg.vecdot(x_hat, g_hat).masked_fill_(norm < NORM_EPS, 0.0).unsqueeze(-1)
+    grad = torch.addcmul(g_hat, x_hat, radial, value=-1.0).mul_((1.0 / norm.clamp_min(NORM_EPS)).unsqueeze(-1))
     if finite:  # (every token finite: where g_hat is zero the formula gives exactly zero)
         return grad
     # A token that received no gradient (masked, or never the max) gets exactly zero, even if it holds NaN/inf.
