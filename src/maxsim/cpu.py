@@ -233,9 +233,11 @@ def backward(
 ) -> tuple[Tensor, Tensor]:
     """Gradients ``(dQ like Q, dD like D)`` from the saved argmax; masks are already folded into it (-1).
 
-    On the CPU: :func:`add_links` over the chosen links (``index_add_`` runs in index order there: deterministic).
-    On other devices ``index_add_`` uses atomics, so ``deterministic=True`` there selects the tokens with a one-hot
-    product instead (fixed summation order).
+    On the CPU: two products with one-hot weights where :func:`_one_hot_worthwhile` (small problems and short
+    documents, every token finite; with ``normalize``, of the normalized tokens, then the chain rule), else
+    :func:`add_links` over the chosen links (``index_add_`` runs in index order there); both deterministic. On other
+    devices ``index_add_`` uses atomics, so ``deterministic=True`` there selects the tokens with a one-hot product
+    instead (fixed summation order).
     """
     if Q.device.type == "cpu" and _one_hot_worthwhile(Q, D):
         if normalize:
