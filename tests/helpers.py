@@ -72,10 +72,12 @@ def keep_under_interpreter(keep: bool, backend: str, device: str | torch.device)
 
 
 def general_cpu_path_only(monkeypatch) -> None:
-    """Ragged CPU calls past the small-problem path (:mod:`maxsim.cpu_small`, its bounds set below every problem):
-    for the tests of the general path's own pieces, whose small cases the small-problem path would otherwise take."""
-    from maxsim import cpu_small
+    """Ragged CPU calls past the small-problem path (:mod:`maxsim.cpu_small`, its bounds set below every problem) and
+    the by-document path (:mod:`maxsim.cpu_by_document`): for the tests of the general path's own pieces, whose cases
+    those paths would otherwise take."""
+    from maxsim import cpu_by_document, cpu_small
 
+    monkeypatch.setattr(cpu_by_document, "MAX_VALUES", -1)
     monkeypatch.setattr(cpu_small, "MAX_PAIR_SIMS", -1)
     monkeypatch.setattr(cpu_small, "MAX_CROSS_SIMS", -1)
 

@@ -27,7 +27,7 @@ from helpers import general_cpu_path_only, spy
 from test_ragged import Ragged, build, check_ragged, lib_call, ref_call
 
 import maxsim
-from maxsim import cpu_ragged, reference
+from maxsim import cpu_by_document, cpu_ragged, reference
 from maxsim.layout import Ragged as Layout
 
 # ----------------------------------------------------------------------------------------------------
@@ -62,6 +62,14 @@ def _random_case(seed: int) -> Ragged:
 
 
 RANDOM_SEEDS = list(range(24))
+
+
+@pytest.fixture(autouse=True)
+def _no_by_document(monkeypatch):
+    """Lists that the by-document path would take stay on the paths tested here (that path:
+    tests/test_cpu_by_document.py)."""
+    monkeypatch.setattr(cpu_by_document, "MAX_VALUES", -1)
+
 
 # (PAIR_BLOCK_BYTES, BY_LENGTH_MIN_WORK, LINK_BLOCK_BYTES)
 SETTINGS = {

@@ -24,10 +24,17 @@ from test_cpu_pairs import EXACT_CASES, _random_case
 from test_ragged import Ragged, build, check_ragged, lib_call, ref_call
 
 import maxsim
-from maxsim import cpu_small
+from maxsim import cpu_by_document, cpu_small
 from maxsim.layout import Ragged as Layout
 
 PRODUCTS = ["auto", "cross", "gather"]
+
+
+@pytest.fixture(autouse=True)
+def _no_by_document(monkeypatch):
+    """Lists that the by-document path would take stay on the paths tested here (that path:
+    tests/test_cpu_by_document.py)."""
+    monkeypatch.setattr(cpu_by_document, "MAX_VALUES", -1)
 
 
 @pytest.fixture

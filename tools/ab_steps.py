@@ -11,6 +11,8 @@ Usage:
   PYTHONPATH=src:.devdata/oldpkg python tools/ab_steps.py train|infer [PATTERN ...] [--normalize] [--profile]  # GPU
                                                       # (carry .devdata)
   PYTHONPATH=src python tools/ab_steps.py train|infer [PATTERN ...] --normalize-cost   # normalize=True vs False
+  PYTHONPATH=src:.devdata/oldpkg python tools/ab_steps.py train|infer [PATTERN ...] --cpu   # here: --quick shapes
+                                                      # on the CPU, perf_counter medians, eager beside
 
 The old copy is importable as ``maxsim_old``: its relative imports make it self-contained, and its operators are
 registered as ``maxsim_old::*`` so that both versions coexist.
@@ -52,25 +54,27 @@ def _scorers(lib, normalize: bool) -> tuple:
 
 def compare(
     mode: str, patterns: list[str] | None, rounds: int, normalize: bool = False, plain: bool = False,
-    profile: bool = False,
+    profile: bool = False, cpu: bool = False,
 ) -> None:  # fmt: skip
     import torch
     from offmatrix import OFF_MATRIX  # (tools/ is on sys.path when this runs as a script)
     from triton.testing import do_bench
 
     import maxsim
-    from maxsim.bench.peers import MaxsimImpl
-    from maxsim.bench.runner import make_call, make_host_timer
+    from maxsim.bench.peers import EagerImpl, MaxsimImpl
+    from maxsim.bench.runner import _cpu_ms, make_call, make_host_timer
     from maxsim.bench.workloads import RAGGED_LAYOUTS, WORKLOADS, make_inputs, seed_of, select
 
-    dev, dt = torch.device("cuda"), torch.bfloat16
+    dev, dt = (torch.device("cpu"), torch.float32) if cpu else (torch.device("cuda"), torch.bfloat16)
     if plain:  # "old" is this version without normalize: what normalize=True costs
         impls = {"new": MaxsimImpl(*_scorers(maxsim, True)), "old": MaxsimImpl(*_scorers(maxsim, False))}
     else:
         import maxsim_old
 
         impls = {"new": MaxsimImpl(*_scorers(maxsim, normalize)), "old": MaxsimImpl(*_scorers(maxsim_old, normalize))}
-    for w in select(mode=mode, only=patterns, table=WORKLOADS + OFF_MATRIX):
+    if cpu:  # (eager on the bench's padded copies for ragged rows: the CPU record's peer)
+        impls["eager"] = EagerImpl()
+    for w in select(mode=mode, only=patterns, quick=cpu, table=WORKLOADS + OFF_MATRIX):
         inp = make_inputs(w, dev, dt, seed_of(w))
         calls = {}
         for name, impl in impls.items():
@@ -82,13 +86,16 @@ def compare(
         times: dict[str, list[float]] = {n: [] for n in calls}
         # (a host-timed row, as the bench times it: the calling thread's time per call)
         timer = make_host_timer(dev, 10, 40) if w.timing == "host" else (lambda c: do_bench(c, warmup=10, rep=40))
+        if cpu:
+            timer = lambda c: _cpu_ms(c, 10, 50)  # noqa: E731
         for r in range(rounds):
             for n, c in calls.items() if r % 2 == 0 else reversed(calls.items()):
                 times[n].append(timer(c) * 1e3)
         med = {n: statistics.median(v) for n, v in times.items()}
         print(
             f"{mode:5s} {w.name:45s} new {med['new']:8.1f} us  old {med['old']:8.1f} us  new/old "
-            f"{med['new'] / med['old']:5.2f}   (min new {min(times['new']):7.1f} old {min(times['old']):7.1f})",
+            f"{med['new'] / med['old']:5.2f}   (min new {min(times['new']):7.1f} old {min(times['old']):7.1f})"
+            + (f"  eager {med['eager']:8.1f} us" if "eager" in med else ""),
             flush=True,
         )
         if profile:
@@ -97,7 +104,8 @@ def compare(
             for n, c in calls.items():
                 kernel_table(f"{w.name} {n}", c, rows=6)
         del inp, calls
-        torch.cuda.empty_cache()
+        if not cpu:
+            torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -109,11 +117,12 @@ def main() -> None:
     ap.add_argument("--normalize", action="store_true", help="both versions called with normalize=True")
     ap.add_argument("--normalize-cost", action="store_true", help="this version with normalize=True against without")
     ap.add_argument("--profile", action="store_true", help="GPU time per kernel of both versions (torch.profiler)")
+    ap.add_argument("--cpu", action="store_true", help="on this CPU, --quick shapes, fp32, eager beside")
     args = ap.parse_args()
     if args.make_old:
         make_old(args.make_old)
     if args.mode:
-        compare(args.mode, args.patterns or None, args.rounds, args.normalize, args.normalize_cost, args.profile)
+        compare(args.mode, args.patterns or None, args.rounds, args.normalize, args.normalize_cost, args.profile, args.cpu)
 
 
 if __name__ == "__main__":

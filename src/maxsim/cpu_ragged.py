@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import cpu, cpu_small
+from . import cpu, cpu_by_document, cpu_small
 from .layout import Ragged, accum_dtype
 
 
@@ -90,6 +90,9 @@ def _pair_ids(rg: Ragged, nq: int, nd: int) -> tuple[Tensor, Tensor, Tensor]:
 
 def forward(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: Ragged) -> tuple[Tensor, Tensor]:
     """As :func:`maxsim.cpu.forward` for a ragged description: scores ``[Nq, K]`` (a pair list: ``[1, P]``)."""
+    by_document = cpu_by_document.plan(Q, D, rg)  # (pair lists on the CPU over documents of one length; else None)
+    if by_document is not None:
+        return cpu_by_document.forward(Q, D, normalize, need_argmax, rg, by_document)
     out = cpu_small.forward(Q, D, normalize, need_argmax, rg)  # (small problems on the CPU; else None)
     if out is not None:
         return out

@@ -1,0 +1,229 @@
+"""Pair lists on the CPU grouped by document (:mod:`maxsim.cpu_by_document`): documents of one length, each listed
+the same number of times, read in place while each pair's query rows are gathered.
+
+* random lists (shuffled or in document order, 1-3 pairs per document, queries of skewed lengths with empty ones,
+  every dtype, ``normalize``, offsets not starting at row 0, ``max_seqlen_*`` above the longest) against the float64
+  reference: scores, argmax, dQ and dD (the backward is the link list's);
+* exact ties (integer tokens): scores and argmax equal, bitwise, to the other paths' (the small path's padded block
+  and the general path's regrouped blocks), in one block and in many;
+* NaN and inf in the rows after a short query (another query's, listed in no pair) stay out; NaN in a document makes
+  its pairs' scores NaN;
+* what this path leaves to the others: documents of several lengths, documents listed unevenly, gaps between
+  documents, ids or offsets out of range, nothing to score.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from helpers import spy
+from test_ragged import Ragged, build, check_ragged, lib_call, ref_call
+
+import maxsim
+from maxsim import cpu_by_document, cpu_ragged, cpu_small
+from maxsim.layout import Ragged as Layout
+
+
+@pytest.fixture
+def taken(monkeypatch) -> list[bool]:
+    """Whether each plan of this path took its call."""
+    return spy(monkeypatch, cpu_by_document, "plan", lambda args, out: out is not None)
+
+
+def _by_document_case(seed: int) -> Ragged:
+    """Documents of one length, each listed ``m`` times (1-3), queries of skewed lengths (zeros included, some in no
+    pair), the pairs shuffled or in document order."""
+    g = torch.Generator().manual_seed(500 + seed)
+    n_q, n_d, m = (int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((1, 6), (1, 9), (1, 4)))
+    ld = int(torch.randint(1, 41, (1,), generator=g))
+    q_lens = torch.randint(0, 13, (n_q,), generator=g)
+    q_lens[torch.rand(n_q, generator=g) < 0.2] = 0
+    q_lens[int(torch.randint(0, n_q, (1,), generator=g))] = int(torch.randint(1, 13, (1,), generator=g))
+    pd = torch.arange(n_d).repeat(m)
+    pq = torch.randint(0, n_q, (pd.shape[0],), generator=g)
+    order = torch.randperm(pd.shape[0], generator=g) if seed % 3 else torch.argsort(pd, stable=True)
+    pairs = tuple(zip(pq[order].tolist(), pd[order].tolist(), strict=True))
+    return Ragged(
+        tuple(q_lens.tolist()), (ld,) * n_d, pairs=pairs, dim=(8, 16, 48)[seed % 3],
+        dtype=("fp32", "fp16", "bf16", "fp64")[seed % 4], normalize=seed % 5 == 1, index=("int32", "int64")[seed % 2],
+        max_seqlen=("given", "bound")[seed % 7 == 3], noncontig=seed % 6 == 5, seed=seed + 1,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_lists_match_the_reference(seed, taken):
+    with maxsim.backend("torch"):
+        check_ragged(_by_document_case(seed), "cpu", any_ties=True)
+    assert taken and taken[0], "the pair list did not take the by-document path"
+
+
+def test_offsets_not_starting_at_row_zero(taken):
+    """Documents that start past D's first row (rows before and after them belong to no document; offsets that do
+    not start at 0 pass unvalidated only)."""
+    g = torch.Generator().manual_seed(3)
+    Q, D = torch.randn(9, 16, generator=g), torch.randn(40, 16, generator=g)
+    cu_q = torch.tensor([1, 4, 9])
+    cu_d = torch.tensor([5, 12, 19, 26])
+    pq, pd = torch.tensor([1, 0, 0, 1, 1, 0]), torch.tensor([2, 0, 1, 1, 0, 2])
+    with maxsim.backend("torch"):
+        s, arg = maxsim.maxsim_pairs_varlen(
+            Q, D, cu_q, cu_d, pq, pd, max_seqlen_q=5, max_seqlen_d=7, validate=False, return_argmax=True
+        )
+    rs, rarg = maxsim.reference.maxsim_pairs_varlen_with_argmax(
+        Q.double(), D.double(), cu_q, cu_d, pq, pd, max_seqlen_q=5, max_seqlen_d=7
+    )
+    torch.testing.assert_close(s.double(), rs, rtol=1e-6, atol=1e-6)
+    assert torch.equal(arg.long(), rarg)
+    assert taken == [True]
+
+
+# ----------------------------------------------------------------------------------------------------
+# exact ties: bitwise the other paths
+
+
+def _scores_and_argmax(case: Ragged, path: str, monkeypatch) -> tuple[torch.Tensor, ...]:
+    """Scores, argmax and the scores without the argmax, by this path (``"document"``, ``"blocks"``: one document
+    a block), the small path's padded block (``"small"``) or the general path's regrouped blocks (``"general"``)."""
+    with monkeypatch.context() as m:
+        if path != "document" and path != "blocks":
+            m.setattr(cpu_by_document, "plan", lambda *args: None)
+        if path == "blocks":
+            m.setattr(cpu_by_document, "BLOCK_BYTES", 1)
+        if path == "general":
+            m.setattr(cpu_small, "MAX_PAIR_SIMS", -1)
+        b = build(case, "cpu")
+        with maxsim.backend("torch"), torch.no_grad():
+            s, arg = lib_call(case, b)
+            plain = lib_call(dataclasses.replace(case, return_argmax=False), b)
+        return s, arg, plain
+
+
+EXACT = [
+    Ragged((6, 6, 6), (9, 9, 9, 9), pairs=((2, 1), (0, 0), (1, 3), (0, 2))),
+    Ragged((3, 0, 7), (5, 5, 5), pairs=((2, 0), (0, 1), (2, 2), (1, 0), (0, 2), (2, 1))),
+    Ragged((4, 9, 2), (12, 12), pairs=((0, 1), (1, 0), (2, 1), (0, 0), (2, 0), (1, 1))),
+    Ragged((1, 5), (1, 1, 1), pairs=((1, 0), (1, 1), (0, 2))),
+]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp64"])
+@pytest.mark.parametrize("case", EXACT, ids=range(len(EXACT)))
+def test_exact_ties_equal_the_other_paths(case, dtype, monkeypatch):
+    """Integer tokens (exact products and sums, ties between document tokens): scores and argmax (the lowest tied
+    index) of this path, in one block and a document a block, equal the small and the general path's, bitwise, and
+    the reference's; the scores without the argmax are the same."""
+    bound = ("given", "bound")[len(case.q_lens) % 2]
+    case = dataclasses.replace(case, dim=8, exact=True, dtype=dtype, max_seqlen=bound)
+    b = build(case, "cpu")
+    plan = cpu_by_document.plan(b.Q, b.D, Layout(b.cu_q, b.cu_d, b.pair_q, b.pair_d, case.width_q(), case.width_d()))
+    assert plan is not None
+    results = {p: _scores_and_argmax(case, p, monkeypatch) for p in ("document", "blocks", "small", "general")}
+    for path in ("blocks", "small", "general"):
+        for name, x, y in zip(("scores", "argmax", "plain scores"), results["document"], results[path], strict=True):
+            assert x.dtype == y.dtype and torch.equal(x, y), f"{name}: by document {x.tolist()} != {path} {y.tolist()}"
+    rs, rarg = ref_call(case, b, b.Q.double(), b.D.double())
+    s, arg, plain = results["document"]
+    assert torch.equal(s.double(), rs) and torch.equal(arg.long(), rarg) and torch.equal(plain, s)
+
+
+def test_one_block_a_document_is_taken(monkeypatch):
+    """With a budget of one byte every document is a block of its own (the blocks test above compares them)."""
+    blocks = spy(monkeypatch, torch, "bmm", lambda args, out: tuple(args[1].shape))
+    monkeypatch.setattr(cpu_by_document, "BLOCK_BYTES", 1)
+    case = dataclasses.replace(EXACT[1], dim=8)
+    b = build(case, "cpu")
+    with maxsim.backend("torch"), torch.no_grad():
+        lib_call(case, b)
+    assert blocks == [(1, 8, 5)] * 3, blocks
+
+
+# ----------------------------------------------------------------------------------------------------
+# NaN and inf
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_a_short_querys_padding_stays_out(normalize, taken):
+    """Query 0 (2 tokens) is read as a slab of 5 rows, the next 3 of which are query 1's, here NaN and inf (query 1
+    is in no pair): no score, argmax or gradient sees them (the backward: the link list's)."""
+    case = Ragged((2, 5), (4, 4, 4), pairs=((0, 2), (0, 0), (0, 1)), dim=8, max_seqlen="bound", normalize=normalize)
+    b = build(case, "cpu")
+    Q = b.Q.clone()
+    Q[2:7] = torch.tensor([float("nan"), float("inf"), float("-inf"), 1.0] * 2)
+    Qg, Dg = Q.clone().requires_grad_(), b.D.clone().requires_grad_()
+    with maxsim.backend("torch"):
+        s, arg = lib_call(case, b, Qg, Dg)
+    Qr, Dr = Q.double().requires_grad_(), b.D.double().requires_grad_()
+    rs, rarg = ref_call(case, b, Qr, Dr)
+    assert bool(torch.isfinite(s).all()), f"scores {s.tolist()}"
+    torch.testing.assert_close(s.detach().double(), rs.detach(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(arg.long(), rarg)
+    dQ, dD = torch.autograd.grad(s, (Qg, Dg), torch.ones_like(s))
+    rdQ, rdD = torch.autograd.grad(rs, (Qr, Dr), torch.ones_like(rs))
+    assert bool(torch.isfinite(dQ).all() and torch.isfinite(dD).all()), "a poisoned row reached a gradient"
+    torch.testing.assert_close(dD.double(), rdD, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dQ.double(), rdQ, rtol=1e-5, atol=1e-5)
+    assert taken[0]
+
+
+def test_nan_in_a_document_makes_its_pairs_nan(taken):
+    case = Ragged((3, 3), (4, 4, 4), pairs=((0, 1), (1, 0), (1, 2), (0, 0), (0, 2), (1, 1)), dim=8)
+    b = build(case, "cpu")
+    D = b.D.clone()
+    D[5, 3] = float("nan")  # document 1, token 1
+    with maxsim.backend("torch"), torch.no_grad():
+        s = maxsim.maxsim_pairs_varlen(b.Q, D, b.cu_q, b.cu_d, b.pair_q, b.pair_d)
+    assert torch.isnan(s).tolist() == [True, False, False, False, False, True]
+    assert taken[0]
+
+
+# ----------------------------------------------------------------------------------------------------
+# what the other paths take
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Ragged((3, 3), (4, 5), pairs=((0, 0), (1, 1))),  # documents of two lengths
+        Ragged((3, 3), (4, 4), pairs=((0, 0), (1, 1), (0, 1))),  # document 1 listed twice, document 0 once
+        Ragged((3, 3), (4, 4, 4), pairs=((0, 0), (1, 1))),  # document 2 listed in no pair
+        Ragged((3, 3), (4, 4), pairs=((0, 0), (1, 0), (0, 0), (1, 1))),  # 3 and 1 (4 pairs, 2 documents)
+        Ragged((3, 3), (4, 4, 4), pairs=((0, 0), (1, 0), (0, 1), (1, 1), (0, 0), (1, 1))),  # 2, 2 (+2) and 0
+        Ragged((3, 3), (0, 0), pairs=((0, 0), (1, 1))),  # documents without tokens
+        Ragged((0, 0), (4, 4), pairs=((0, 0), (1, 1))),  # queries without tokens
+    ],
+)
+def test_other_lists_take_other_paths(case, taken):
+    with maxsim.backend("torch"):
+        check_ragged(case, "cpu", any_ties=True)
+    assert taken and not any(taken)
+
+
+def test_gaps_and_ids_out_of_range_are_declined():
+    Q, D = torch.randn(6, 8), torch.randn(20, 8)
+    cu_q = torch.tensor([0, 3, 6])
+    pq, pd = torch.tensor([0, 1]), torch.tensor([1, 0])
+
+    def plan(cu_d, pq=pq, pd=pd, rows_q=6):
+        return cpu_by_document.plan(Q[:rows_q], D, Layout(cu_q, cu_d, pq, pd, 3, 8))
+
+    assert plan(torch.tensor([0, 4, 8])) is not None
+    assert plan(torch.tensor([2, 6, 10])) is not None
+    assert plan(torch.tensor([0, 4, 9])) is None  # a gap: two lengths
+    assert plan(torch.tensor([0, 4, 8]), pd=torch.tensor([1, 2])) is None  # id out of range
+    assert plan(torch.tensor([0, 4, 8]), pq=torch.tensor([0, -1])) is None
+    assert plan(torch.tensor([0, 4, 8]), rows_q=5) is None  # query 1 runs past Q
+    assert plan(torch.tensor([18, 22, 26])) is None  # documents past D
+    assert plan(torch.tensor([0, 9, 18])) is None  # longer than max_seqlen_d
+    assert cpu_ragged.forward is not None
+
+
+def test_the_general_path_keeps_its_own_tests_when_disabled(monkeypatch):
+    """``general_cpu_path_only`` (tests/helpers.py) turns this path off too."""
+    from helpers import general_cpu_path_only
+
+    general_cpu_path_only(monkeypatch)
+    case = dataclasses.replace(EXACT[0], dim=8)
+    b = build(case, "cpu")
+    assert cpu_by_document.plan(b.Q, b.D, Layout(b.cu_q, b.cu_d, b.pair_q, b.pair_d, 6, 9)) is None
