@@ -590,6 +590,8 @@ def _packed_backward(
         Qr, link_inv_q, norm_q, inv_q = cpu.normalized_rows(Qa, argmax.numel())
         Dr, link_inv_d, norm_d, inv_d = cpu.normalized_rows(Da, argmax.numel())
     dQ, dD = torch.zeros_like(Qa), torch.zeros_like(Da)
+    if normalize:  # the rows the links touch: the only ones to project
+        touched_q, touched_d = dQ.new_zeros(dQ.shape[0], dtype=torch.bool), dD.new_zeros(dD.shape[0], dtype=torch.bool)
     rows_q, rows_d, Lq = Q.shape[0], D.shape[0], argmax.shape[-1]
     if rows_q and rows_d and argmax.numel():
         # (a pair list's only: the read costs more than the clamps it saves a varlen cross product)
@@ -620,6 +622,10 @@ def _packed_backward(
             if not in_range:
                 rq, rd = rq.clamp(max=rows_q - 1), rd.clamp(0, rows_d - 1)
             cpu.add_links(dQ, dD, Qr, Dr, rq, rd, g.index_select(0, pair), link_inv_q, link_inv_d)
+            if normalize:
+                touched_q.index_fill_(0, cpu._as(rq, torch.int64), True)
+                touched_d.index_fill_(0, cpu._as(rd, torch.int64), True)
     if normalize:
-        dQ, dD = cpu.project_chosen(dQ, Qa, norm_q, inv_q), cpu.project_chosen(dD, Da, norm_d, inv_d)
+        dQ = cpu.project_chosen(dQ, Qa, norm_q, inv_q, touched_q)
+        dD = cpu.project_chosen(dD, Da, norm_d, inv_d, touched_d)
     return dQ.to(Q.dtype), dD.to(D.dtype)
