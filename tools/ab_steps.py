@@ -122,7 +122,9 @@ def main() -> None:
     if args.make_old:
         make_old(args.make_old)
     if args.mode:
-        compare(args.mode, args.patterns or None, args.rounds, args.normalize, args.normalize_cost, args.profile, args.cpu)
+        compare(
+            args.mode, args.patterns or None, args.rounds, args.normalize, args.normalize_cost, args.profile, args.cpu
+        )
 
 
 if __name__ == "__main__":
