@@ -300,46 +300,56 @@ def backward(
 
 def add_links(
     dQ: Tensor, dD: Tensor, Q: Tensor, D: Tensor, rows_q: Tensor, rows_d: Tensor, w: Tensor,
-    inv_q: Tensor | None = None, inv_d: Tensor | None = None,
+    scale_q: bool = False, scale_d: bool = False,
 ) -> None:  # fmt: skip
     """For every link ``i`` (query row ``rows_q[i]`` chose document row ``rows_d[i]``, upstream weight ``w[i]``):
     ``dQ[rows_q[i]] += w[i] · D[rows_d[i]]`` and ``dD[rows_d[i]] += w[i] · Q[rows_q[i]]``, on flat ``[rows, dim]``
-    tensors. Only chosen rows are read, so a masked token holding NaN or inf never reaches a gradient. Given a
-    tensor's inverse norms (``normalize``: see :func:`normalized_rows`) its rows are scaled as they are read."""
+    tensors. Only chosen rows are read, so a masked token holding NaN or inf never reaches a gradient. ``scale_q`` /
+    ``scale_d`` (``normalize``, see :func:`normalized_rows`): the gathered rows are normalized as they are read."""
     d_rows = torch.index_select(D, 0, rows_d)
     q_rows = torch.index_select(Q, 0, rows_q)
-    if inv_d is not None:
-        d_rows = d_rows * inv_d.index_select(0, rows_d)[:, None]
-    if inv_q is not None:
-        q_rows = q_rows * inv_q.index_select(0, rows_q)[:, None]
+    if scale_d:
+        d_rows = d_rows * _inv_norm(d_rows)[:, None]
+    if scale_q:
+        q_rows = q_rows * _inv_norm(q_rows)[:, None]
     dQ.index_add_(0, rows_q, d_rows * w[:, None])
     dD.index_add_(0, rows_d, q_rows * w[:, None])
 
 
-def normalized_rows(x: Tensor, n_links: int) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
-    """For a backward over ``n_links`` links with normalize: ``(rows to gather, inverse norms to scale them by as
-    they are read (or None), ||x||, 1 / max(||x||, eps))`` of the flat rows ``x``. A tensor with fewer rows than
-    links is normalized once (a copy); one with more (a large D's candidates, most rows never chosen) is scaled
-    link by link instead."""
+def normalized_rows(x: Tensor, n_links: int) -> tuple[Tensor, bool, Tensor | None, Tensor | None]:
+    """For a backward over ``n_links`` links with normalize: ``(rows to gather, whether to normalize them as they
+    are read, ||x||, 1 / max(||x||, eps))`` of the flat rows ``x``. A tensor with fewer rows than links is
+    normalized once (a copy); one with more (a large D's candidates, most rows never chosen) is normalized link by
+    link, and its norms are left to :func:`project_chosen` (None: only the rows it projects need them)."""
+    if x.shape[0] > n_links:
+        return x, True, None, None
     norm = torch.linalg.vector_norm(x, dim=-1)
     inv = 1.0 / norm.clamp_min(NORM_EPS)
-    if x.shape[0] <= n_links:
-        return x * inv[:, None], None, norm, inv
-    return x, inv, norm, inv
+    return x * inv[:, None], False, norm, inv
 
 
-def project_chosen(g_hat: Tensor, x: Tensor, norm: Tensor, inv: Tensor, touched: Tensor | None = None) -> Tensor:
+def project_chosen(
+    g_hat: Tensor, x: Tensor, norm: Tensor | None, inv: Tensor | None, touched: Tensor | None = None
+) -> Tensor:
     """:func:`project_normalized_grad` of the flat rows ``g_hat [rows, dim]`` (w.r.t. ``x̂``), given ``x``'s rows and
-    :func:`norms`. Where few rows received a gradient (a large D's candidates), only those are read and projected
-    (a ``nonzero``: for the CPU path) and written back in place; the others stay exactly zero. ``touched [rows]``
-    (bool): the rows that links added to, which the caller knows, else found by a pass over ``g_hat`` (at full size
-    that pass and its boolean copy cost more than the projection: candidates 64 x 32 Lq32 Ld180, normalized training
-    step on this CPU, ~60 of ~240 ms)."""
+    their norms and inverse norms (None: computed here for the rows that need them). Where few rows received a
+    gradient (a large D's candidates), only those are read and projected (a ``nonzero``: for the CPU path) and written
+    back in place; the others stay exactly zero. ``touched [rows]`` (bool): the rows that links added to, which the
+    caller knows, else found by a pass over ``g_hat`` (at full size that pass and its boolean copy cost more than the
+    projection: candidates 64 x 32 Lq32 Ld180, normalized training step on this CPU, ~60 of ~240 ms)."""
     rows = (touched if touched is not None else (g_hat != 0).any(dim=-1)).nonzero().squeeze(1)
     if 2 * rows.shape[0] > g_hat.shape[0]:
+        if norm is None:
+            norm = torch.linalg.vector_norm(x, dim=-1)
+            inv = 1.0 / norm.clamp_min(NORM_EPS)
         return project_normalized_grad(g_hat, x * inv[:, None], norm)
-    x_hat = x.index_select(0, rows) * inv.index_select(0, rows)[:, None]
-    projected = project_normalized_grad(g_hat.index_select(0, rows), x_hat, norm.index_select(0, rows))
+    x_rows = x.index_select(0, rows)
+    if norm is None:
+        norm_rows = torch.linalg.vector_norm(x_rows, dim=-1)
+        inv_rows = 1.0 / norm_rows.clamp_min(NORM_EPS)
+    else:
+        norm_rows, inv_rows = norm.index_select(0, rows), inv.index_select(0, rows)
+    projected = project_normalized_grad(g_hat.index_select(0, rows), x_rows * inv_rows[:, None], norm_rows)
     return g_hat.index_copy_(0, rows, projected)  # (a row that nothing touched is zero already)
 
 
@@ -351,10 +361,10 @@ def _backward_links(grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, normaliz
     acc = accum_dtype(Q.dtype)
     Qa, Da = _as(Q, acc), _as(D, acc)
     Qf, Df = Qa.reshape(Nq * Lq, dim), Da.reshape(Bd * K * Ld, dim)
-    link_inv_q = link_inv_d = None
+    scale_q = scale_d = False
     if normalize:
-        Qf, link_inv_q, norm_q, inv_q = normalized_rows(Qf, Nq * K * Lq)
-        Df, link_inv_d, norm_d, inv_d = normalized_rows(Df, Nq * K * Lq)
+        Qf, scale_q, norm_q, inv_q = normalized_rows(Qf, Nq * K * Lq)
+        Df, scale_d, norm_d, inv_d = normalized_rows(Df, Nq * K * Lq)
     dQ, dD = torch.zeros_like(Qf), torch.zeros_like(Df)
     if normalize:  # the rows the links touch: the only ones to project
         touched_q, touched_d = dQ.new_zeros(dQ.shape[0], dtype=torch.bool), dD.new_zeros(dD.shape[0], dtype=torch.bool)
@@ -371,7 +381,7 @@ def _backward_links(grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, normaliz
             doc = (q if Bd != 1 else 0) * K + pair % K  # row of document (b, k) in [Bd * K]
             w = _as(grad[q0:q1], acc).reshape(-1).index_select(0, pair)
             rows_q, rows_d = q * Lq + f % Lq, doc * Ld + a.index_select(0, f)
-            add_links(dQ, dD, Qf, Df, rows_q, rows_d, w, link_inv_q, link_inv_d)
+            add_links(dQ, dD, Qf, Df, rows_q, rows_d, w, scale_q, scale_d)
             if normalize:
                 touched_q.index_fill_(0, _as(rows_q, torch.int64), True)
                 touched_d.index_fill_(0, _as(rows_d, torch.int64), True)

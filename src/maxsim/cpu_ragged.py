@@ -585,10 +585,10 @@ def _packed_backward(
     out-of-range ids (NaN scores) contribute nothing."""
     acc = torch.float64 if Q.dtype == torch.float64 else torch.float32
     Qa, Da = Q.to(acc), D.to(acc)
-    Qr, Dr, link_inv_q, link_inv_d = Qa, Da, None, None
+    Qr, Dr, scale_q, scale_d = Qa, Da, False, False
     if normalize:
-        Qr, link_inv_q, norm_q, inv_q = cpu.normalized_rows(Qa, argmax.numel())
-        Dr, link_inv_d, norm_d, inv_d = cpu.normalized_rows(Da, argmax.numel())
+        Qr, scale_q, norm_q, inv_q = cpu.normalized_rows(Qa, argmax.numel())
+        Dr, scale_d, norm_d, inv_d = cpu.normalized_rows(Da, argmax.numel())
     dQ, dD = torch.zeros_like(Qa), torch.zeros_like(Da)
     if normalize:  # the rows the links touch: the only ones to project
         touched_q, touched_d = dQ.new_zeros(dQ.shape[0], dtype=torch.bool), dD.new_zeros(dD.shape[0], dtype=torch.bool)
@@ -621,7 +621,7 @@ def _packed_backward(
             rd = start_d.index_select(0, di.index_select(0, pair)) + a.index_select(0, f)
             if not in_range:
                 rq, rd = rq.clamp(max=rows_q - 1), rd.clamp(0, rows_d - 1)
-            cpu.add_links(dQ, dD, Qr, Dr, rq, rd, g.index_select(0, pair), link_inv_q, link_inv_d)
+            cpu.add_links(dQ, dD, Qr, Dr, rq, rd, g.index_select(0, pair), scale_q, scale_d)
             if normalize:
                 touched_q.index_fill_(0, cpu._as(rq, torch.int64), True)
                 touched_d.index_fill_(0, cpu._as(rd, torch.int64), True)
