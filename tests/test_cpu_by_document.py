@@ -219,6 +219,19 @@ def test_gaps_and_ids_out_of_range_are_declined():
     assert cpu_ragged.forward is not None
 
 
+@pytest.mark.parametrize("off_cpu", ["Q", "D", "cu_q", "cu_d", "pair_q", "pair_d"])
+def test_tensors_off_the_cpu_are_declined_before_any_read(off_cpu):
+    """The plan reads offsets and ids back as lists (free on the CPU only): a tensor anywhere else is declined before
+    any value is read. Meta tensors hold no values, so any read of one would raise."""
+    t = {
+        "Q": torch.randn(6, 8), "D": torch.randn(8, 8), "cu_q": torch.tensor([0, 3, 6]),
+        "cu_d": torch.tensor([0, 4, 8]), "pair_q": torch.tensor([0, 1]), "pair_d": torch.tensor([1, 0]),
+    }  # fmt: skip
+    assert cpu_by_document.plan(t["Q"], t["D"], Layout(t["cu_q"], t["cu_d"], t["pair_q"], t["pair_d"], 3, 4))
+    t[off_cpu] = t[off_cpu].to("meta")
+    assert cpu_by_document.plan(t["Q"], t["D"], Layout(t["cu_q"], t["cu_d"], t["pair_q"], t["pair_d"], 3, 4)) is None
+
+
 def test_the_general_path_keeps_its_own_tests_when_disabled(monkeypatch):
     """``general_cpu_path_only`` (tests/helpers.py) turns this path off too."""
     from helpers import general_cpu_path_only

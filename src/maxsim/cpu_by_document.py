@@ -63,6 +63,7 @@ def plan(Q: Tensor, D: Tensor, rg: Ragged) -> Plan | None:
     n_q, n_d, P = rg.q_seg.shape[0] - 1, rg.d_seg.shape[0] - 1, rg.pair_q.shape[0]
     if P == 0 or n_q <= 0 or n_d <= 0 or P % n_d or n_q + n_d + 2 * P > MAX_VALUES:
         return None
+    # Every read-back below is of CPU memory (a copy, never a device sync): tensors elsewhere take the other paths.
     if not (Q.is_cpu and D.is_cpu and rg.q_seg.is_cpu and rg.d_seg.is_cpu and rg.pair_q.is_cpu and rg.pair_d.is_cpu):
         return None
     d_off = rg.d_seg.tolist()  # (CPU values, checked above: no sync)
@@ -71,12 +72,12 @@ def plan(Q: Tensor, D: Tensor, rg: Ragged) -> Plan | None:
         return None  # (fails fast for documents of several lengths)
     if d_off != list(range(d0, d_off[-1] + 1, ld)):
         return None
-    q_off = rg.q_seg.tolist()
+    q_off = rg.q_seg.tolist()  # (CPU values, checked above: no sync)
     q_len = list(map(operator.sub, q_off[1:], q_off[:-1]))
     lq, q_lo = max(q_len), min(q_len)
     if q_off[0] < 0 or q_lo < 0 or q_off[-1] > Q.shape[0] or lq > rg.max_q or lq == 0:
         return None
-    pq, pd = rg.pair_q.tolist(), rg.pair_d.tolist()
+    pq, pd = rg.pair_q.tolist(), rg.pair_d.tolist()  # (CPU values, checked above: no sync)
     if min(pq) < 0 or max(pq) >= n_q or min(pd) < 0 or max(pd) >= n_d:
         return None
     m = P // n_d
