@@ -15,6 +15,7 @@ TRAIN_CROSS_SHAPES = {
     "cross 64x64 Lq32 Ld1024": (64, 64, 32, 1024, 128),
     "cross 32x32 Lq1024 Ld1024": (32, 32, 1024, 1024, 128),
     "cross 64x64 Lq23 Ld333 d96 (off-matrix)": (64, 64, 23, 333, 96),
+    "cross 128x128 Lq23 Ld333 (off-matrix)": (128, 128, 23, 333, 128),
 }
 
 

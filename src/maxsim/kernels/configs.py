@@ -169,14 +169,20 @@ def once_read_config(cfg: ForwardConfig, Ld: int) -> ForwardConfig:
     but 1x2000 Ld300 1.07x slower), 1x10000 Ld300 190.3 -> 184.5 (against the table's 32-token tiles), 1x1000
     Ld1024 75.6 -> 74.1 with 128-token tiles in 2 stages (64-token tiles 77.0; 32-token 74.5). Queries of 33-64
     rows: 32-token tiles in 4 stages, 1x5000 Lq64 Ld180 75.7 -> 69.8, candidates 64x40 Lq64 Ld300 68.3 -> 63.1
-    (64-token tiles in 2 stages 73.9 / 64.4, 8 warps 87.1 / 71.0)."""
+    (64-token tiles in 2 stages 73.9 / 64.4, 8 warps 87.1 / 71.0). Blocks of 33-64 rows are planned persistent,
+    ``ONCE_READ_WIDE_PERSIST`` programs a multiprocessor, each walking consecutive documents with its tiles in
+    flight across their boundaries (a 180-token document is under six tiles, about the pipeline's fill): H200,
+    in-process (docs/performance.md v95), 1x5000 Lq64 Ld180 69.6 -> 67.3 us (kernel 62.9 -> 56.1), candidates
+    32x100 Lq48 Ld256 64.2 -> 63.7; 32-row blocks gain nothing (1x10000 Ld300 1.00x at 4 a multiprocessor,
+    1x1000 Ld1024 1.03-1.38x slower: a document or two a program)."""
+    persist = 0
     if cfg.BQ * cfg.TQ > 32:
-        bn, stages = ONCE_READ_WIDE_BLOCK_N, ONCE_READ_WIDE_STAGES
+        bn, stages, persist = ONCE_READ_WIDE_BLOCK_N, ONCE_READ_WIDE_STAGES, ONCE_READ_WIDE_PERSIST
     elif Ld >= ONCE_READ_LONG_LD:
         bn, stages = ONCE_READ_LONG_BLOCK_N, ONCE_READ_LONG_STAGES
     else:
         bn, stages = ONCE_READ_BLOCK_N, ONCE_READ_STAGES
-    return replace(cfg, BLOCK_N=bn, num_stages=stages, num_warps=4, persist=0, maxnreg=0)
+    return replace(cfg, BLOCK_N=bn, num_stages=stages, num_warps=4, persist=persist, maxnreg=0)
 
 
 # once_read_config's tiles (module settings, for tools/knobs.py): 32-row blocks, the same from documents of
@@ -185,6 +191,10 @@ ONCE_READ_BLOCK_N, ONCE_READ_STAGES = 64, 3
 ONCE_READ_LONG_LD = 512
 ONCE_READ_LONG_BLOCK_N, ONCE_READ_LONG_STAGES = 128, 2
 ONCE_READ_WIDE_BLOCK_N, ONCE_READ_WIDE_STAGES = 32, 4
+# Persistent programs a multiprocessor for the 33-64-row blocks (0: one program a document). H200 (v95): 3 and 4 alike
+# (1x5000 Lq64 Ld180 0.97 / 0.98x), 6 and 8 fit fewer residents than they plan for (4 stages of 8 KB tiles and a
+# 16 KB query block a program: 1.20 / 0.99x, candidates 32x100 Lq48 1.25 / 1.08x), 4 with 5 stages 1.33x.
+ONCE_READ_WIDE_PERSIST = 3
 
 
 def scores_only_config(cfg: ForwardConfig, Lq: int) -> ForwardConfig:
