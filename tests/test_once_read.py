@@ -70,6 +70,10 @@ TABLE_ROWS64 = (False, 32, 4, 4, False)  # (one program a document where there a
         ("candidates", H200, 3.0, TABLE_64),
         ("one query of 64 rows", H200, 3.0, TABLE_ROWS64),
         ("candidates of 64-row queries", H200, 3.0, TABLE_ROWS64),
+        ("one query of 64 rows", H200, 1.5, TABLE_ROWS64),  # (ONCE_READ_WIDE_TABLE_L2: from one L2)
+        ("candidates of 64-row queries", H200, 1.5, TABLE_ROWS64),
+        ("one query of 64 rows", H200, 0.8, "stream"),
+        ("one query of 64 rows", H100, 1.5, "stream"),
         ("one query", H200, 1.5, "stream"),  # (under the card's bound: STREAM_L2_RANGE's rule)
         ("one query", H200, 10.0, TABLE_64),  # (past STREAM_L2_RANGE too)
         ("one query", H100, 3.0, "stream"),  # (a card the table does not name)

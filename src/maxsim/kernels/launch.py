@@ -7,6 +7,7 @@ host↔device syncs and CUDA-graph capturable.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -171,6 +172,13 @@ STREAM_MASKED_MIN_BLOCK_K = 128
 # ONCE_READ_TABLE = 0 turns the rule off (tools/knobs.py).
 ONCE_READ_TABLE_L2: tuple[tuple[str, float], ...] = (("H200", 2.0),)
 ONCE_READ_TABLE = 1
+# On those cards, blocks of 33-64 rows take the table from ONCE_READ_WIDE_TABLE_L2 L2 sizes (its programs persistent,
+# configs.ONCE_READ_WIDE_PERSIST: the stream's tiles were worth more than one-document table programs, not than
+# persistent ones). H200, in-process, stream -> persistent table (docs/performance.md v96): 1x1000 Lq64 Ld300 (1.2
+# L2) 35.4 -> 31.3 us, candidates 32x50 Lq64 Ld180 (1.2) 0.97x, 16x100 Lq64 Ld300 (1.95) 0.95x, 64x20 Lq64 Ld300
+# (1.6) 1.00x, 32x30 Lq48 Ld256 (1.0) 0.99x; below one L2 the stream wins: 1x700 Lq64 Ld300 (0.85) 22.0 against
+# 24.3, candidates 32x20 Lq64 Ld300 (0.78) 1.13x, 1x500 Lq64 Ld300 (0.61) 1.10x (but 1x800 Lq48 Ld200 (0.65) 0.90x).
+ONCE_READ_WIDE_TABLE_L2 = 1.0
 # A forward launch of fewer programs than the GPU has multiprocessors (few long documents: 64 pairs of 2048 tokens)
 # is bound by how many bytes each program keeps in flight, one 16 KB tile in the streaming loop, 24 KB in the
 # table's pipelined one: thin row blocks (<= 32 rows, one dim chunk, 16-bit) against documents of at least
@@ -416,7 +424,7 @@ def _plan_key(
         need_argmax, torch.get_float32_matmul_precision() if Q.dtype == torch.float32 else None, _ragged_key(rg),
         PRENORM_MIN_ROW_BLOCKS, PRENORM_MIN_QUERY_BLOCKS, PRENORM_UNSHARED, STREAM_ONCE_READ, STREAM_L2_RANGE,
         STREAM_MASKED_MIN_BLOCK_K, STREAM_UNSHARED_MAX_ROWS, STREAM_SHARED_MAX_ROWS, ONCE_READ_TABLE_L2,
-        ONCE_READ_TABLE, DEEP_PIPELINE,
+        ONCE_READ_TABLE, ONCE_READ_WIDE_TABLE_L2, DEEP_PIPELINE,
         DEEP_PIPELINE_MIN_LD, DOC_SPLIT_BELOW, DOC_SPLIT_PROGRAMS_PER_SM, DOC_SPLIT_MIN_TILES,
     )  # fmt: skip
 
@@ -600,7 +608,8 @@ def _once_read_scan(
     loop keeps two tiles in registers) for a scan of STREAM_L2_RANGE times the L2's size (masked tokens included:
     the mask is not read on the host) with a document mask only with wide tiles (STREAM_MASKED_MIN_BLOCK_K),
     ``"table"`` (the pipelined loop with ``once_read_config``'s tiles) for a dense unmasked scan of one 128-wide
-    chunk beyond the card's ONCE_READ_TABLE_L2, else None (the table's configuration as it is)."""
+    chunk beyond the card's ONCE_READ_TABLE_L2 (blocks of 33-64 rows: ONCE_READ_WIDE_TABLE_L2 on those cards), else
+    None (the table's configuration as it is)."""
     readers = n_qblocks * n_rsplit if shared else n_rsplit
     if readers != 1 or sg.pairs or D.element_size() != 2 or cfg.NUM_K != 1:
         return None
@@ -609,7 +618,10 @@ def _once_read_scan(
         return None
     l2s = D.numel() * D.element_size() / _l2_bytes(D.device)
     wide_dense = not masked and sg.d_kind == DENSE and cfg.BLOCK_K == 128
-    if ONCE_READ_TABLE and wide_dense and l2s > _once_read_table_l2(D.device):
+    bound = _once_read_table_l2(D.device)
+    if rows > 32 and bound != math.inf:
+        bound = min(bound, ONCE_READ_WIDE_TABLE_L2)
+    if ONCE_READ_TABLE and wide_dense and l2s > bound:
         return "table"
     if not STREAM_ONCE_READ or (masked and cfg.BLOCK_K < STREAM_MASKED_MIN_BLOCK_K):
         return None
