@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import INTERPRET, forward_launches, int_grid, rand_mask
 
-from maxsim import maxsim, reference, set_backend
+from maxsim import maxsim, maxsim_pairs, reference, set_backend
 from maxsim.kernels import configs, launch
 
 pytestmark = pytest.mark.skipif(
@@ -73,6 +73,8 @@ TABLE_ROWS64 = (False, 32, 4, 4, False)  # (one program a document where there a
         ("one query of 64 rows", H200, 1.5, TABLE_ROWS64),  # (ONCE_READ_WIDE_TABLE_L2: from one L2)
         ("candidates of 64-row queries", H200, 1.5, TABLE_ROWS64),
         ("one query of 64 rows", H200, 0.8, "stream"),
+        ("pairs of 64-row queries", H200, 1.5, "stream"),  # (one document a query: the 2 L2 bound)
+        ("pairs of 64-row queries", H200, 3.0, TABLE_ROWS64),
         ("one query of 64 rows", H100, 1.5, "stream"),
         ("one query", H200, 1.5, "stream"),  # (under the card's bound: STREAM_L2_RANGE's rule)
         ("one query", H200, 10.0, TABLE_64),  # (past STREAM_L2_RANGE too)
@@ -92,12 +94,16 @@ def test_once_read_table_chosen_where_the_rule_says(what, card_name, l2s, expect
     ld = 600 if "long documents" in what else 50
     dim = 64 if "64 dims" in what else 128
     Q, D = _inputs(nq, lq, 3, ld, dim, what.startswith("candidates"), device)
+    if what.startswith("pairs"):  # (three queries, each against its own document: Q [3, Lq, dim], D [3, Ld, dim])
+        Q, D = _inputs(3, lq, 3, ld, dim, False, device)
     d_mask = torch.ones(D.shape[:-1], dtype=torch.bool, device=device) if "mask" in what else None
     if what.endswith("rule off"):
         monkeypatch.setattr(launch, "ONCE_READ_TABLE", 0)
     card(card_name, int(D.numel() * D.element_size() / l2s))
     if what == "training forward":
         seen = _launches(monkeypatch, lambda: maxsim(Q, D, return_argmax=True))
+    elif what.startswith("pairs"):
+        seen = _launches(monkeypatch, lambda: maxsim_pairs(Q, D))
     else:
         seen = _launches(monkeypatch, lambda: maxsim(Q, D, d_mask=d_mask))
     assert len(seen) == 1

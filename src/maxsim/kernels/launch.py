@@ -178,6 +178,8 @@ ONCE_READ_TABLE = 1
 # L2) 35.4 -> 31.3 us, candidates 32x50 Lq64 Ld180 (1.2) 0.97x, 16x100 Lq64 Ld300 (1.95) 0.95x, 64x20 Lq64 Ld300
 # (1.6) 1.00x, 32x30 Lq48 Ld256 (1.0) 0.99x; below one L2 the stream wins: 1x700 Lq64 Ld300 (0.85) 22.0 against
 # 24.3, candidates 32x20 Lq64 Ld300 (0.78) 1.13x, 1x500 Lq64 Ld300 (0.61) 1.10x (but 1x800 Lq48 Ld200 (0.65) 0.90x).
+# Aligned pairs (one document a query, which no program walks past) keep the 2 L2 bound: one-document table
+# programs of 64-row blocks trailed the stream below it (candidates 64x20 Lq64 1.07x, 32x50 Lq64 1.05x).
 ONCE_READ_WIDE_TABLE_L2 = 1.0
 # A forward launch of fewer programs than the GPU has multiprocessors (few long documents: 64 pairs of 2048 tokens)
 # is bound by how many bytes each program keeps in flight, one 16 KB tile in the streaming loop, 24 KB in the
@@ -506,7 +508,7 @@ def forward_keeping_norms(
     if from_table and _deep_pipelined(n_programs, cfg, Ld, D):
         cfg = deep_pipeline_config(cfg)
     else:
-        scan = None if need_argmax else _once_read_scan(sg, shared, n_qblocks, n_rsplit, cfg, D, d_mask is not None)
+        scan = None if need_argmax else _once_read_scan(sg, shared, n_qblocks, n_rsplit, cfg, D, d_mask is not None, K)
         stream = scan == "stream"
         if scan is not None and from_table:
             cfg = streaming_config(cfg) if stream else once_read_config(cfg, Ld)
@@ -600,7 +602,7 @@ def _deep_pipelined(n_programs: int, cfg: ForwardConfig, Ld: int, D: Tensor) -> 
 
 
 def _once_read_scan(
-    sg: _Segs, shared: bool, n_qblocks: int, n_rsplit: int, cfg: ForwardConfig, D: Tensor, masked: bool
+    sg: _Segs, shared: bool, n_qblocks: int, n_rsplit: int, cfg: ForwardConfig, D: Tensor, masked: bool, K: int
 ) -> str | None:  # fmt: skip
     """How the scores-only forward reads ``D`` if every document tile is read by one program alone (a shared
     document by the only block of query rows, a query's own candidate by its only row split; a pair list may name a
@@ -608,8 +610,8 @@ def _once_read_scan(
     loop keeps two tiles in registers) for a scan of STREAM_L2_RANGE times the L2's size (masked tokens included:
     the mask is not read on the host) with a document mask only with wide tiles (STREAM_MASKED_MIN_BLOCK_K),
     ``"table"`` (the pipelined loop with ``once_read_config``'s tiles) for a dense unmasked scan of one 128-wide
-    chunk beyond the card's ONCE_READ_TABLE_L2 (blocks of 33-64 rows: ONCE_READ_WIDE_TABLE_L2 on those cards), else
-    None (the table's configuration as it is)."""
+    chunk beyond the card's ONCE_READ_TABLE_L2 (blocks of 33-64 rows with ``K`` > 1 documents a query:
+    ONCE_READ_WIDE_TABLE_L2 on those cards), else None (the table's configuration as it is)."""
     readers = n_qblocks * n_rsplit if shared else n_rsplit
     if readers != 1 or sg.pairs or D.element_size() != 2 or cfg.NUM_K != 1:
         return None
@@ -619,7 +621,7 @@ def _once_read_scan(
     l2s = D.numel() * D.element_size() / _l2_bytes(D.device)
     wide_dense = not masked and sg.d_kind == DENSE and cfg.BLOCK_K == 128
     bound = _once_read_table_l2(D.device)
-    if rows > 32 and bound != math.inf:
+    if rows > 32 and bound != math.inf and K > 1:  # (one document a query: nothing to walk, see there)
         bound = min(bound, ONCE_READ_WIDE_TABLE_L2)
     if ONCE_READ_TABLE and wide_dense and l2s > bound:
         return "table"
