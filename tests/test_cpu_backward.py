@@ -89,3 +89,46 @@ def test_a_poisoned_masked_token_takes_the_link_list():
     _s, argmax = cpu.forward(Q, D, None, d_mask, False, True)
     dQ, dD = cpu.backward(torch.ones(2, 3), Q, D, argmax, False)
     assert torch.isfinite(dQ).all() and torch.isfinite(dD).all()
+
+
+@pytest.mark.parametrize("poison", [False, True], ids=["finite", "nan-and-inf"])
+def test_normalized_projection_in_blocks_matches_one_block(poison, monkeypatch):
+    """The normalized link backward projects the document rows the links touched a block of rows at a time on the
+    CPU (``cpu.PROJECT_BLOCK_BYTES``, shrunk here to two rows): the values of one block, bit for bit (per-row
+    arithmetic), and the float64 reference's. Poisoned: NaN and inf in rows no link chose (their gradient stays
+    exactly zero), and a chosen row whose links all weigh zero (zero too, though it holds NaN)."""
+    g = torch.Generator().manual_seed(5)
+    Nq, K, Lq, Ld, dim = 3, 5, 7, 40, 24  # (600 document rows, at most 105 touched: the sparse projection)
+    Q = torch.randn((Nq, Lq, dim), generator=g)
+    D = torch.randn((Nq, K, Ld, dim), generator=g)
+    grad = torch.randn((Nq, K), generator=g)
+    _s, argmax = cpu.forward(Q, D, None, None, True, True)
+    if poison:
+        chosen = torch.zeros(D.shape[:-1], dtype=torch.bool)
+        chosen.scatter_(2, argmax.long(), True)  # [Nq, K, Ld]: the rows some link chose
+        free = (~chosen).nonzero()
+        D[tuple(free[0])] = float("nan")
+        D[tuple(free[-1])] = float("inf")
+        grad[1, 2] = 0.0  # (pair (1, 2)'s chosen rows: touched, zero gradient; one of them poisoned below)
+        D[1, 2, int(argmax[1, 2, 0]), 0] = float("nan")
+    monkeypatch.setattr(cpu, "PROJECT_BLOCK_BYTES", 1 << 30)
+    one = cpu._backward_links(grad, Q, D, argmax, True)
+    calls = []
+    real = cpu.project_normalized_grad
+    monkeypatch.setattr(cpu, "project_normalized_grad", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    monkeypatch.setattr(cpu, "PROJECT_BLOCK_BYTES", 2 * dim * 4)
+    blocks = cpu._backward_links(grad, Q, D, argmax, True)
+    assert calls[0] == Nq * Lq and len(calls) > 10 and max(calls[1:]) == 2  # (dQ's rows at once; D's touched: pairs)
+    for a, b in zip(blocks, one, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    dD = blocks[1]
+    if poison:
+        assert torch.equal(dD[tuple(free[0])], torch.zeros(dim)) and torch.equal(dD[tuple(free[-1])], torch.zeros(dim))
+        assert torch.equal(dD[1, 2, int(argmax[1, 2, 0])], torch.zeros(dim))
+    else:
+        from maxsim import reference
+
+        Qr, Dr = Q.double().requires_grad_(), D.double().requires_grad_()
+        ref = torch.autograd.grad(reference.maxsim(Qr, Dr, normalize=True), (Qr, Dr), grad.double())
+        for a, r in zip(blocks, ref, strict=True):
+            torch.testing.assert_close(a.double(), r, rtol=1e-5, atol=1e-5)
