@@ -28,12 +28,6 @@ Ld300 2038 -> 1164 ms, 64 x 64 Lq32 Ld1024 338 -> 184, 32 x 32 Lq1024 Ld1024 226
 266 -> 265 (32 MiB: 148 and 380 ms; 16 MiB splits problems of 16-24 MiB, whose single block is faster: candidates
 32 x 7 Lq23 Ld333 dim 48 1.02 -> 1.12 ms)."""
 
-LINK_BLOCK_BYTES = 4 << 20
-"""Budget of one block of the link list's gathered rows (:func:`_backward_links`; at most :data:`BLOCK_BYTES`): the
-rows, their weighted copies and normalized ones stay in the caches. This 2-core CPU, fp32, full size, training steps
-(min of 9, in-process), 4 against 24 MiB: candidates 64 x 32 Lq32 Ld180 87.0 / 93.7 ms (normalized 120.5 / 129.8),
-256 x 16 Ld300 260.3 / 261.7 (340.7 / 399.6), pairs 512 34.6 / 37.3 (54.2 / 59.8); 1-8 MiB alike."""
-
 PROJECT_BLOCK_BYTES = 1 << 21
 """Rows of a gradient projected together on the CPU (:func:`project_chosen`), in bytes of one ``[rows, dim]``
 temporary. This 2-core CPU, fp32, full size, normalized training steps (min of 5, in-process): candidates 64 x 32
@@ -374,8 +368,7 @@ def project_chosen(
 
 def _backward_links(grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, normalize: bool) -> tuple[Tensor, Tensor]:
     """CPU backward: the argmax as a list of links between flat token rows, a block of queries at a time (the
-    gathered rows of a block stay within :data:`LINK_BLOCK_BYTES`; the links are added in their order whatever the
-    blocks: the same sums)."""
+    gathered rows of a block stay within :data:`BLOCK_BYTES`)."""
     Nq, Lq, dim = Q.shape
     Bd, K, Ld, _ = D.shape
     acc = accum_dtype(Q.dtype)
@@ -389,8 +382,7 @@ def _backward_links(grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, normaliz
     if normalize:  # the rows the links touch: the only ones to project
         touched_q, touched_d = dQ.new_zeros(dQ.shape[0], dtype=torch.bool), dD.new_zeros(dD.shape[0], dtype=torch.bool)
     if Nq and K and Lq and Ld:
-        budget = min(BLOCK_BYTES, LINK_BLOCK_BYTES)
-        nq = max(1, min(Nq, budget // max(1, K * Lq * dim * Qf.element_size() * 4)))
+        nq = max(1, min(Nq, BLOCK_BYTES // max(1, K * Lq * dim * Qf.element_size() * 4)))
         for q0 in range(0, Nq, nq):
             q1 = min(Nq, q0 + nq)
             a = argmax[q0:q1].reshape(-1)  # flat over [q, K, Lq]
