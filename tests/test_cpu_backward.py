@@ -52,6 +52,23 @@ def test_one_hot_in_blocks_of_queries_matches_the_link_list(layout, monkeypatch)
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("layout", ["cross", "candidates"])
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalized"])
+def test_link_list_in_blocks_of_queries_matches_one_block(layout, normalize, monkeypatch):
+    """The link list a block of queries at a time (``cpu.BLOCK_BYTES`` shrunk: one query a block) adds the same
+    links in the same order as one block: the same bits, a shared document's gradient included."""
+    grad, Q, D, argmax = _case(layout, torch.float32, True)
+    one = cpu._backward_links(grad, Q, D, argmax, normalize)
+    monkeypatch.setattr(cpu, "BLOCK_BYTES", 5 * 7 * 24 * 4 * 4)
+    adds = []
+    real = cpu.add_links
+    monkeypatch.setattr(cpu, "add_links", lambda *a, **k: adds.append(1) or real(*a, **k))
+    blocks = cpu._backward_links(grad, Q, D, argmax, normalize)
+    assert len(adds) == 3
+    for a, b in zip(blocks, one, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_one_hot_keeps_nan_upstream_gradients_on_their_links():
     grad, Q, D, argmax = _case("cross", torch.float32, True)
     grad[1, 2] = float("nan")
