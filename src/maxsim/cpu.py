@@ -17,6 +17,7 @@ import os
 import torch
 from torch import Tensor
 
+from . import cpu_memory
 from .layout import NORM_EPS, accum_dtype
 
 BLOCK_BYTES = int(os.environ.get("MAXSIM_CPU_BLOCK_BYTES", 24 * 2**20))
@@ -261,8 +262,8 @@ def backward(
     Nq, Lq, dim = Q.shape
     Bd, K, Ld, _ = D.shape
     acc = accum_dtype(Q.dtype)
-    dQ = torch.zeros((Nq, Lq, dim), dtype=acc, device=Q.device)
-    dD = torch.zeros((Bd, K, Ld, dim), dtype=acc, device=Q.device)
+    dQ = cpu_memory.zeros((Nq, Lq, dim), acc, Q.device)
+    dD = cpu_memory.zeros((Bd, K, Ld, dim), acc, Q.device)
     if Nq == 0 or K == 0 or Lq == 0 or Ld == 0:
         return dQ.to(Q.dtype), dD.to(D.dtype)
     Qa, Da = Q.to(acc), D.to(acc)
@@ -378,7 +379,7 @@ def _backward_links(grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, normaliz
     if normalize:
         Qf, scale_q, norm_q, inv_q = normalized_rows(Qf, Nq * K * Lq)
         Df, scale_d, norm_d, inv_d = normalized_rows(Df, Nq * K * Lq)
-    dQ, dD = torch.zeros_like(Qf), torch.zeros_like(Df)
+    dQ, dD = cpu_memory.zeros_like(Qf), cpu_memory.zeros_like(Df)
     if normalize:  # the rows the links touch: the only ones to project
         touched_q, touched_d = dQ.new_zeros(dQ.shape[0], dtype=torch.bool), dD.new_zeros(dD.shape[0], dtype=torch.bool)
     if Nq and K and Lq and Ld:

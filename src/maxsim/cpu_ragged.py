@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import cpu, cpu_by_document, cpu_small
+from . import cpu, cpu_by_document, cpu_memory, cpu_small
 from .layout import Ragged, accum_dtype
 
 
@@ -527,7 +527,7 @@ def backward(
         dQ, dD = cpu.backward(grad, Qa, Da, argmax, normalize, deterministic)
     else:
         pq, pd, _ = _pair_ids(rg, Qa.shape[0], Da.shape[1])
-        dQ, dD = torch.zeros_like(Qa), torch.zeros_like(Da)
+        dQ, dD = cpu_memory.zeros_like(Qa), cpu_memory.zeros_like(Da)
         Lq, Ld, dim = Qa.shape[1], Da.shape[2], Q.shape[-1]
         for p0, p1 in _pair_blocks(rg, (Lq + Ld) * dim * 8 * 3):
             gq, gd = cpu.backward(
@@ -589,7 +589,7 @@ def _packed_backward(
     if normalize:
         Qr, scale_q, norm_q, inv_q = cpu.normalized_rows(Qa, argmax.numel())
         Dr, scale_d, norm_d, inv_d = cpu.normalized_rows(Da, argmax.numel())
-    dQ, dD = torch.zeros_like(Qa), torch.zeros_like(Da)
+    dQ, dD = cpu_memory.zeros_like(Qa), cpu_memory.zeros_like(Da)
     if normalize:  # the rows the links touch: the only ones to project
         touched_q, touched_d = dQ.new_zeros(dQ.shape[0], dtype=torch.bool), dD.new_zeros(dD.shape[0], dtype=torch.bool)
     rows_q, rows_d, Lq = Q.shape[0], D.shape[0], argmax.shape[-1]
