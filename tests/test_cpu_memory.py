@@ -63,3 +63,14 @@ def test_the_advice_reaches_the_mapping():
     if flags is None:
         pytest.skip("no /proc/self/smaps")
     assert "hg" in flags  # (MADV_HUGEPAGE on the buffer's mapping)
+
+
+def test_the_environment_turns_the_advice_off(monkeypatch):
+    monkeypatch.setenv("MAXSIM_CPU_HUGE_PAGES", "0")
+    cpu_memory._madvise.cache_clear()
+    try:
+        assert cpu_memory._madvise() is None
+        assert not cpu_memory.zeros(((40 << 20) // 4,), torch.float32, torch.device("cpu")).any()
+    finally:
+        monkeypatch.delenv("MAXSIM_CPU_HUGE_PAGES")
+        cpu_memory._madvise.cache_clear()
