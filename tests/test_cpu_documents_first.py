@@ -1,0 +1,150 @@
+"""The CPU blocks computed documents first (``D·Qᵀ``, query rows padded to 32: maxsim.cpu.DOCUMENTS_FIRST_WIDTH).
+
+* the rule: 32 query rows per GEMM (a query's own, or every query's against shared documents), 23-31 rows from 64
+  dims, and blocks that keep the argmax only from DOCUMENTS_FIRST_MIN_ARGMAX_SIMS similarities;
+* every such block, cross product and candidates, with masks with holes, a document without a valid token, NaN and
+  inf tokens (masked and not), ties (integer tokens) and normalize (both ways of applying the documents' norms):
+  scores as the queries-first path's and the reference's, argmax equal to both (ties to the lowest index);
+* the training step's sum of similarities (forward_for_step) leaves the padding columns out: finite where every token
+  is, and the gradients through it equal the queries-first path's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import spy
+
+import maxsim
+from maxsim import cpu, reference
+
+
+def _ints(shape, seed: int) -> torch.Tensor:
+    """Integer-valued tokens: every similarity and every sum exact, with ties between document tokens."""
+    return torch.randint(-3, 4, shape, generator=torch.Generator().manual_seed(seed)).float()
+
+
+def _queries_first(monkeypatch) -> None:
+    monkeypatch.setattr(cpu, "DOCUMENTS_FIRST_WIDTH", -1)  # (no block has -1 rows, nor 23..-2)
+
+
+def _run(Q, D, q_mask, d_mask, normalize, need_argmax, index_dtype=torch.int32):
+    return cpu._forward(Q, D, q_mask, d_mask, normalize, need_argmax, index_dtype, sum_sims=True)
+
+
+def test_rule():
+    first = cpu._documents_first
+    assert first(32, 16, 1 << 10, False)  # 32 rows: any width
+    assert first(32, 128, 1 << 15, True)
+    assert not first(32, 128, (1 << 15) - 1, True)  # a tiny block keeping the argmax: its views cost more
+    assert first(23, 64, 1 << 20, True) and first(31, 96, 1 << 20, False)
+    assert not first(23, 48, 1 << 20, False)  # narrow tokens: the padding costs more
+    assert not first(22, 128, 1 << 20, False) and not first(16, 128, 1 << 20, False)
+    assert not first(33, 128, 1 << 20, False) and not first(64, 128, 1 << 20, False)
+
+
+# (Q shape, D shape, taken documents first): shared documents with 1 x 32, 2 x 16 and 1 x 25 rows (dim 64);
+# a query's own candidates of 32 and 24 rows; 16 rows (not taken: the comparison still holds)
+SHAPES = [
+    ((1, 32, 16), (1, 5, 9, 16), True),
+    ((2, 16, 16), (1, 4, 7, 16), True),
+    ((1, 25, 64), (1, 3, 6, 64), True),
+    ((3, 32, 16), (3, 4, 7, 16), True),
+    ((2, 24, 64), (2, 3, 5, 64), True),
+    ((1, 16, 16), (1, 4, 7, 16), False),
+]
+
+
+def _masks(Q, D, seed):
+    g = torch.Generator().manual_seed(seed)
+    q_mask = torch.rand(Q.shape[:2], generator=g) > 0.3
+    d_mask = torch.rand(D.shape[:3], generator=g) > 0.4
+    d_mask[0, 1] = False  # a document without a valid token
+    return q_mask, d_mask
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}-{s[1]}")
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("need_argmax", [False, True])
+def test_equals_queries_first_and_reference_with_ties(shape, masked, need_argmax, monkeypatch):
+    q_shape, d_shape, taken = shape
+    Q, D = _ints(q_shape, 1), _ints(d_shape, 2)
+    q_mask, d_mask = _masks(Q, D, 3) if masked else (None, None)
+    monkeypatch.setattr(cpu, "DOCUMENTS_FIRST_MIN_ARGMAX_SIMS", 0)
+    calls = spy(monkeypatch, cpu, "_block_documents_first")
+    s, a, total = _run(Q, D, q_mask, d_mask, False, need_argmax)
+    assert bool(calls) == taken
+    ref_s, ref_a = reference.scores_and_argmax(Q.double(), D.double(), q_mask, d_mask)
+    torch.testing.assert_close(s, ref_s.float(), rtol=0, atol=0)  # integer tokens: exact in any order
+    with monkeypatch.context() as m:
+        _queries_first(m)
+        s0, a0, total0 = _run(Q, D, q_mask, d_mask, False, need_argmax)
+    torch.testing.assert_close(s, s0, rtol=0, atol=0)
+    torch.testing.assert_close(total, total0, rtol=0, atol=0)
+    if need_argmax:
+        assert a.dtype == torch.int32 and a.is_contiguous()
+        assert torch.equal(a.long(), ref_a) and torch.equal(a, a0)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:5], ids=lambda s: f"{s[0]}-{s[1]}")
+@pytest.mark.parametrize("normalize", [False, True])
+def test_random_tokens_match_the_reference(shape, normalize, monkeypatch):
+    q_shape, d_shape, _ = shape
+    g = torch.Generator().manual_seed(5)
+    Q, D = torch.randn(q_shape, generator=g), torch.randn(d_shape, generator=g)
+    q_mask, d_mask = _masks(Q, D, 6)
+    monkeypatch.setattr(cpu, "DOCUMENTS_FIRST_MIN_ARGMAX_SIMS", 0)
+    calls = spy(monkeypatch, cpu, "_block_documents_first")
+    s, a, _ = _run(Q, D, q_mask, d_mask, normalize, True)
+    assert calls
+    ref_s, ref_a = reference.scores_and_argmax(Q.double(), D.double(), q_mask, d_mask, normalize=normalize)
+    torch.testing.assert_close(s.double(), ref_s, rtol=1e-5, atol=1e-5)
+    assert torch.equal(a.long(), ref_a)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:5], ids=lambda s: f"{s[0]}-{s[1]}")
+def test_nan_and_inf_tokens(shape, monkeypatch):
+    """A NaN or inf token that is masked stays out; an unmasked one propagates as in the reference (the padding
+    columns it turns NaN are never read)."""
+    q_shape, d_shape, _ = shape
+    Q, D = _ints(q_shape, 7), _ints(d_shape, 8)
+    q_mask, d_mask = _masks(Q, D, 9)
+    D[0, 0, 0] = float("nan")
+    D[0, 0, 1] = float("inf")
+    D[-1, 2, 0] = float("-inf")
+    d_mask[-1, 2, 0] = False  # masked: stays out
+    d_mask[0, 0, :2] = True  # unmasked: propagates
+    monkeypatch.setattr(cpu, "DOCUMENTS_FIRST_MIN_ARGMAX_SIMS", 0)
+    calls = spy(monkeypatch, cpu, "_block_documents_first")
+    s, a, _ = _run(Q, D, q_mask, d_mask, False, True)
+    assert calls
+    ref_s, ref_a = reference.scores_and_argmax(Q.double(), D.double(), q_mask, d_mask)
+    torch.testing.assert_close(s.double(), ref_s, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(a.long(), ref_a)
+
+
+def test_step_sum_and_gradients(monkeypatch):
+    """The public training call on a block taken documents first (forward_for_step): int64 argmax view, the sum of
+    the similarities finite, gradients equal to the queries-first path's (integer tokens: exact)."""
+    Q, D = _ints((1, 32, 16), 10), _ints((12, 96, 16), 11)  # 32 x 12 x 96 >= 2^15 similarities, Ld <= STEP_MAX_LD
+
+    def step():
+        q, d = Q.clone().requires_grad_(), D.clone().requires_grad_()
+        scores, argmax = maxsim.maxsim(q, d, return_argmax=True)
+        g = torch.randint(-4, 5, scores.shape, generator=torch.Generator().manual_seed(12)).float()
+        return (scores, argmax, *torch.autograd.grad(scores, (q, d), g))
+
+    sums = spy(monkeypatch, cpu, "forward_for_step", record=lambda args, out: out[2])
+    calls = spy(monkeypatch, cpu, "_block_documents_first")
+    new = step()
+    assert calls and sums and bool(torch.isfinite(sums[0]))
+    with monkeypatch.context() as m:
+        _queries_first(m)
+        old = step()
+    for x, y in zip(new, old, strict=True):
+        assert torch.equal(x, y)
+    D_inf = D.clone()
+    D_inf[3, 5, 2] = float("inf")
+    sums.clear()
+    s, _ = maxsim.maxsim(Q.clone().requires_grad_(), D_inf.clone().requires_grad_(), return_argmax=True)
+    assert sums and not bool(torch.isfinite(sums[0]))
