@@ -6,14 +6,21 @@
   inf tokens (masked and not), ties (integer tokens) and normalize (both ways of applying the documents' norms):
   scores as the queries-first path's and the reference's, argmax equal to both (ties to the lowest index);
 * the training step's sum of similarities (forward_for_step) leaves the padding columns out: finite where every token
-  is, and the gradients through it equal the queries-first path's.
+  is, and the gradients through it equal the queries-first path's;
+* pair lists grouped by document (maxsim.cpu_by_document, whose GEMMs hold a document's pairs' query rows): the same
+  rule, scores and argmax equal, bitwise, to the queries-first product's and the reference's, short queries and
+  normalize included.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import spy
+from test_cpu_by_document import _scores_and_argmax
+from test_ragged import Ragged, build, check_ragged, ref_call
 
 import maxsim
 from maxsim import cpu, reference
@@ -148,3 +155,38 @@ def test_step_sum_and_gradients(monkeypatch):
     sums.clear()
     s, _ = maxsim.maxsim(Q.clone().requires_grad_(), D_inf.clone().requires_grad_(), return_argmax=True)
     assert sums and not bool(torch.isfinite(sums[0]))
+
+
+# pair lists over documents of one length: m pairs a document of queries up to lq rows (a GEMM of m·lq rows)
+BY_DOCUMENT = [
+    Ragged((32, 20, 32), (9,) * 4, pairs=((2, 1), (0, 0), (1, 3), (0, 2))),  # m 1, lq 32
+    Ragged((16, 5, 16), (7,) * 3, pairs=((2, 0), (0, 1), (2, 2), (1, 0), (0, 2), (1, 1))),  # m 2, lq 16
+    Ragged((12, 9), (6,) * 2, pairs=((0, 1), (1, 0), (0, 0), (1, 1)), dim=64),  # m 2, lq 12: 24 rows padded
+]
+
+
+@pytest.mark.parametrize("case", BY_DOCUMENT, ids=range(len(BY_DOCUMENT)))
+def test_by_document_equals_queries_first_and_reference(case, monkeypatch):
+    case = dataclasses.replace(case, dim=max(case.dim, 16), exact=True)
+    monkeypatch.setattr(cpu, "DOCUMENTS_FIRST_MIN_ARGMAX_SIMS", 0)
+    chosen = spy(monkeypatch, cpu, "_documents_first", lambda args, out: out)
+    new = _scores_and_argmax(case, "document", monkeypatch)
+    assert chosen and all(chosen)
+    with monkeypatch.context() as m:
+        _queries_first(m)
+        old = _scores_and_argmax(case, "document", monkeypatch)
+    for x, y in zip(new, old, strict=True):
+        assert x.dtype == y.dtype and torch.equal(x, y)
+    b = build(case, "cpu")
+    rs, rarg = ref_call(case, b, b.Q.double(), b.D.double())
+    assert torch.equal(new[0].double(), rs) and torch.equal(new[1].long(), rarg)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_by_document_random_tokens_match_the_reference(normalize, monkeypatch):
+    monkeypatch.setattr(cpu, "DOCUMENTS_FIRST_MIN_ARGMAX_SIMS", 0)
+    chosen = spy(monkeypatch, cpu, "_documents_first", lambda args, out: out)
+    case = dataclasses.replace(BY_DOCUMENT[1], normalize=normalize, seed=4)
+    with maxsim.backend("torch"):
+        check_ragged(case, "cpu", any_ties=True)
+    assert chosen and all(chosen)

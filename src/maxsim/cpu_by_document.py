@@ -112,8 +112,8 @@ def forward(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: Ragged
         Ds = cpu._as(docs[j0:j1], acc)
         if normalize:
             Qs, Ds = Qs * cpu._inv_norm(Qs)[..., None], Ds * cpu._inv_norm(Ds)[..., None]
-        sim = torch.bmm(Qs.view(j1 - j0, m * lq, dim), Ds.transpose(1, 2)).view(p1 - p0, lq, ld)
-        best, arg = sim.max(dim=-1) if need_argmax else (sim.amax(dim=-1), None)  # ties: lowest; NaN propagates
+        best, arg = _row_max(Qs.view(j1 - j0, m * lq, dim), Ds, need_argmax)
+        best, arg = best.reshape(p1 - p0, lq), None if arg is None else arg.reshape(p1 - p0, lq)
         if q_len is not None:  # a query token past its query's end adds 0 (where: its max may be NaN) and chose -1
             valid = t < q_len[p0:p1, None]
             best = torch.where(valid, best, 0.0)
@@ -132,3 +132,22 @@ def forward(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: Ragged
         if need_argmax:
             argmax = torch.empty_like(argmax).index_copy_(0, order, argmax)
     return scores.view(1, P), (argmax.view(1, P, rg.max_q) if need_argmax else argmax)
+
+
+def _row_max(Qs: Tensor, Ds: Tensor, need_argmax: bool) -> tuple[Tensor, Tensor | None]:
+    """Each query row's max over its document's tokens, ``Qs [n, rows, dim]`` against ``Ds [n, ld, dim]`` ->
+    ``([n, rows], indices [n, rows] int64 or None)``: documents first (``Ds·Qsᵀ``, the rows padded to
+    :data:`maxsim.cpu.DOCUMENTS_FIRST_WIDTH`) where :func:`maxsim.cpu._documents_first` takes it (this 2-core CPU,
+    fp32, 32 rows against 256-token documents, 23 and 100 documents: 0.85-0.86x, with the indices 0.90-0.91x), else
+    ``Qs·Dsᵀ``. Ties go to the lowest index and NaN propagates either way."""
+    n, rows, dim = Qs.shape
+    ld = Ds.shape[1]
+    if cpu._documents_first(rows, dim, n * rows * ld, need_argmax):
+        width = cpu.DOCUMENTS_FIRST_WIDTH
+        if rows < width:
+            Qs = torch.nn.functional.pad(Qs, (0, 0, 0, width - rows))
+        sim = torch.bmm(Ds, Qs.transpose(1, 2))  # [n, ld, width]; padding columns never read past the max
+        best, arg = sim.max(dim=1) if need_argmax else (sim.amax(dim=1), None)
+        return best[:, :rows], None if arg is None else arg[:, :rows]
+    sim = torch.bmm(Qs, Ds.transpose(1, 2))
+    return sim.max(dim=-1) if need_argmax else (sim.amax(dim=-1), None)
