@@ -1,7 +1,8 @@
 """The CPU blocks computed documents first (``D·Qᵀ``, query rows padded to 32: maxsim.cpu.DOCUMENTS_FIRST_WIDTH).
 
 * the rule: 32 query rows per GEMM (a query's own, or every query's against shared documents), 23-31 rows from 64
-  dims, and blocks that keep the argmax only from DOCUMENTS_FIRST_MIN_ARGMAX_SIMS similarities;
+  dims, and only blocks of DOCUMENTS_FIRST_MIN_SIMS similarities or more (keeping the argmax:
+  DOCUMENTS_FIRST_MIN_ARGMAX_SIMS);
 * every such block, cross product and candidates, with masks with holes, a document without a valid token, NaN and
   inf tokens (masked and not), ties (integer tokens) and normalize (both ways of applying the documents' norms):
   scores as the queries-first path's and the reference's, argmax equal to both (ties to the lowest index);
@@ -35,15 +36,21 @@ def _queries_first(monkeypatch) -> None:
     monkeypatch.setattr(cpu, "DOCUMENTS_FIRST_WIDTH", -1)  # (no block has -1 rows, nor 23..-2)
 
 
+def _any_size(monkeypatch) -> None:
+    monkeypatch.setattr(cpu, "DOCUMENTS_FIRST_MIN_SIMS", 0)
+    monkeypatch.setattr(cpu, "DOCUMENTS_FIRST_MIN_ARGMAX_SIMS", 0)
+
+
 def _run(Q, D, q_mask, d_mask, normalize, need_argmax, index_dtype=torch.int32):
     return cpu._forward(Q, D, q_mask, d_mask, normalize, need_argmax, index_dtype, sum_sims=True)
 
 
 def test_rule():
     first = cpu._documents_first
-    assert first(32, 16, 1 << 10, False)  # 32 rows: any width
+    assert first(32, 16, 1 << 12, False)  # 32 rows: any width
     assert first(32, 128, 1 << 15, True)
-    assert not first(32, 128, (1 << 15) - 1, True)  # a tiny block keeping the argmax: its views cost more
+    assert not first(32, 128, (1 << 12) - 1, False)  # a tiny block: its views cost more than the product saves
+    assert not first(32, 128, (1 << 15) - 1, True)  # (keeping the argmax: more views)
     assert first(23, 64, 1 << 20, True) and first(31, 96, 1 << 20, False)
     assert not first(23, 48, 1 << 20, False)  # narrow tokens: the padding costs more
     assert not first(22, 128, 1 << 20, False) and not first(16, 128, 1 << 20, False)
@@ -77,7 +84,7 @@ def test_equals_queries_first_and_reference_with_ties(shape, masked, need_argmax
     q_shape, d_shape, taken = shape
     Q, D = _ints(q_shape, 1), _ints(d_shape, 2)
     q_mask, d_mask = _masks(Q, D, 3) if masked else (None, None)
-    monkeypatch.setattr(cpu, "DOCUMENTS_FIRST_MIN_ARGMAX_SIMS", 0)
+    _any_size(monkeypatch)
     calls = spy(monkeypatch, cpu, "_block_documents_first")
     s, a, total = _run(Q, D, q_mask, d_mask, False, need_argmax)
     assert bool(calls) == taken
@@ -100,7 +107,7 @@ def test_random_tokens_match_the_reference(shape, normalize, monkeypatch):
     g = torch.Generator().manual_seed(5)
     Q, D = torch.randn(q_shape, generator=g), torch.randn(d_shape, generator=g)
     q_mask, d_mask = _masks(Q, D, 6)
-    monkeypatch.setattr(cpu, "DOCUMENTS_FIRST_MIN_ARGMAX_SIMS", 0)
+    _any_size(monkeypatch)
     calls = spy(monkeypatch, cpu, "_block_documents_first")
     s, a, _ = _run(Q, D, q_mask, d_mask, normalize, True)
     assert calls
@@ -121,7 +128,7 @@ def test_nan_and_inf_tokens(shape, monkeypatch):
     D[-1, 2, 0] = float("-inf")
     d_mask[-1, 2, 0] = False  # masked: stays out
     d_mask[0, 0, :2] = True  # unmasked: propagates
-    monkeypatch.setattr(cpu, "DOCUMENTS_FIRST_MIN_ARGMAX_SIMS", 0)
+    _any_size(monkeypatch)
     calls = spy(monkeypatch, cpu, "_block_documents_first")
     s, a, _ = _run(Q, D, q_mask, d_mask, False, True)
     assert calls
@@ -168,7 +175,7 @@ BY_DOCUMENT = [
 @pytest.mark.parametrize("case", BY_DOCUMENT, ids=range(len(BY_DOCUMENT)))
 def test_by_document_equals_queries_first_and_reference(case, monkeypatch):
     case = dataclasses.replace(case, dim=max(case.dim, 16), exact=True)
-    monkeypatch.setattr(cpu, "DOCUMENTS_FIRST_MIN_ARGMAX_SIMS", 0)
+    _any_size(monkeypatch)
     chosen = spy(monkeypatch, cpu, "_documents_first", lambda args, out: out)
     new = _scores_and_argmax(case, "document", monkeypatch)
     assert chosen and all(chosen)
@@ -184,7 +191,7 @@ def test_by_document_equals_queries_first_and_reference(case, monkeypatch):
 
 @pytest.mark.parametrize("normalize", [False, True])
 def test_by_document_random_tokens_match_the_reference(normalize, monkeypatch):
-    monkeypatch.setattr(cpu, "DOCUMENTS_FIRST_MIN_ARGMAX_SIMS", 0)
+    _any_size(monkeypatch)
     chosen = spy(monkeypatch, cpu, "_documents_first", lambda args, out: out)
     case = dataclasses.replace(BY_DOCUMENT[1], normalize=normalize, seed=4)
     with maxsim.backend("torch"):

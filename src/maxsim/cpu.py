@@ -229,16 +229,18 @@ the orientation gains. This 2-core CPU, fp32, blocks of 24 MiB, product and row 
 
 DOCUMENTS_FIRST_MIN_ROWS = 23
 DOCUMENTS_FIRST_MIN_DIM = 64
+DOCUMENTS_FIRST_MIN_SIMS = 1 << 12
 DOCUMENTS_FIRST_MIN_ARGMAX_SIMS = 1 << 15
-"""Similarities of a block below which one that keeps the argmax stays queries first: its few more view ops (~8 µs
-here) cost a tiny training step more than the product saves (``--quick`` cross 4 x 16 Lq8 Ld10 step forward 30.5 ->
-38.2 µs, whole steps 1.05-1.11x slower)."""
+"""Similarities of a block below which it stays queries first (without / with the argmax): there its few more view
+ops (~3 µs here, ~8 with the argmax's) cost more than the product saves (the launch-overhead row, 4 x 4 Lq8 Ld8,
+18.3 -> 21.7 µs of host time; 4 x 16 Lq8 Ld10: 24.8 -> 23.0 µs in inference, but a training step's forward 30.5 ->
+38.2 µs and whole ``--quick`` steps 1.05-1.11x slower)."""
 
 
 def _documents_first(rows: int, dim: int, sims: int, need_argmax: bool) -> bool:
     """Whether a block of ``sims`` similarities whose GEMMs have ``rows`` query rows of ``dim`` dims computes them
     documents first (:data:`DOCUMENTS_FIRST_WIDTH`)."""
-    if need_argmax and sims < DOCUMENTS_FIRST_MIN_ARGMAX_SIMS:
+    if sims < (DOCUMENTS_FIRST_MIN_ARGMAX_SIMS if need_argmax else DOCUMENTS_FIRST_MIN_SIMS):
         return False
     if rows == DOCUMENTS_FIRST_WIDTH:
         return True
