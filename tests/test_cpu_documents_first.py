@@ -197,3 +197,25 @@ def test_by_document_random_tokens_match_the_reference(normalize, monkeypatch):
     with maxsim.backend("torch"):
         check_ragged(case, "cpu", any_ties=True)
     assert chosen and all(chosen)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: float64 CUDA tensors take the PyTorch path")
+@pytest.mark.parametrize("need_grad", [False, True])
+def test_float64_on_cuda(need_grad, monkeypatch):
+    """float64 CUDA tensors run this PyTorch path on the GPU: documents first there too, scores, argmax and
+    gradients as the reference's, with masks."""
+    _any_size(monkeypatch)
+    calls = spy(monkeypatch, cpu, "_block_documents_first")
+    Q, D = _ints((2, 32, 16), 13).double().cuda(), _ints((3, 4, 9, 16), 14).double().cuda()
+    q_mask, d_mask = (m.cuda() for m in _masks(Q, D, 15))
+    D = D.requires_grad_(need_grad)
+    s, a = maxsim.maxsim(Q, D[:2], q_mask, d_mask[:2], return_argmax=True)  # (each query's own 4 candidates)
+    assert calls
+    ref_s, ref_a = reference.scores_and_argmax(Q, D[:2].detach(), q_mask, d_mask[:2])
+    torch.testing.assert_close(s, ref_s, rtol=0, atol=0)
+    assert torch.equal(a.long(), ref_a)
+    if need_grad:
+        (g,) = torch.autograd.grad(s.sum(), D)
+        D_ref = D.detach().clone().requires_grad_()
+        (g_ref,) = torch.autograd.grad(reference.scores_and_argmax(Q, D_ref[:2], q_mask, d_mask[:2])[0].sum(), D_ref)
+        torch.testing.assert_close(g, g_ref, rtol=0, atol=0)
