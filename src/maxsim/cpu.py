@@ -155,8 +155,9 @@ def _forward_block(
     sum_sims: bool = False,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """One block: ``Q [q, Lq, dim]`` against ``D [b, k, Ld, dim]`` (``b`` = 1 or ``q``) as a single GEMM / batched
-    GEMM into ``[q, Lq, k, Ld]`` (contiguous along the reduced axis), then the row max. Returns the scores, the
-    argmax (``[q, k, Lq]``: contiguous in ``index_dtype``, or for int64 max's own indices as a transposed view, no
+    GEMM into ``[q, Lq, k, Ld]`` (contiguous along the reduced axis), then the row max; blocks of 32 query rows a GEMM
+    take it documents first instead (:func:`_block_documents_first`, :data:`DOCUMENTS_FIRST_WIDTH`). Returns the
+    scores, the argmax (``[q, k, Lq]``: contiguous in ``index_dtype``, or for int64 max's own indices as a view, no
     copy) and, with ``sum_sims``, the sum of the unmasked similarities (a 0-dim tensor, not read here)."""
     q, Lq, dim = Q.shape
     b, k, Ld, _ = D.shape
