@@ -4,8 +4,9 @@
   dims, and only blocks of DOCUMENTS_FIRST_MIN_SIMS similarities or more (keeping the argmax:
   DOCUMENTS_FIRST_MIN_ARGMAX_SIMS);
 * every such block, cross product and candidates, with masks with holes, a document without a valid token, NaN and
-  inf tokens (masked and not), ties (integer tokens) and normalize (both ways of applying the documents' norms):
-  scores as the queries-first path's and the reference's, argmax equal to both (ties to the lowest index);
+  inf tokens (masked and not), ties (integer tokens), normalize (both ways of applying the documents' norms) and
+  non-contiguous tokens: scores as the queries-first path's and the reference's, argmax equal to both (ties to the
+  lowest index);
 * the training step's sum of similarities (forward_for_step) leaves the padding columns out: finite where every token
   is, and the gradients through it equal the queries-first path's;
 * pair lists grouped by document (maxsim.cpu_by_document, whose GEMMs hold a document's pairs' query rows): the same
@@ -100,12 +101,20 @@ def test_equals_queries_first_and_reference_with_ties(shape, masked, need_argmax
         assert torch.equal(a.long(), ref_a) and torch.equal(a, a0)
 
 
+def _strided(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s values in a non-contiguous layout (tokens along the last dimension in memory)."""
+    return x.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
 @pytest.mark.parametrize("shape", SHAPES[:5], ids=lambda s: f"{s[0]}-{s[1]}")
 @pytest.mark.parametrize("normalize", [False, True])
-def test_random_tokens_match_the_reference(shape, normalize, monkeypatch):
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_random_tokens_match_the_reference(shape, normalize, contiguous, monkeypatch):
     q_shape, d_shape, _ = shape
     g = torch.Generator().manual_seed(5)
     Q, D = torch.randn(q_shape, generator=g), torch.randn(d_shape, generator=g)
+    if not contiguous:
+        Q, D = _strided(Q), _strided(D)
     q_mask, d_mask = _masks(Q, D, 6)
     _any_size(monkeypatch)
     calls = spy(monkeypatch, cpu, "_block_documents_first")
