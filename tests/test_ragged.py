@@ -457,16 +457,19 @@ def test_cases_by_length_class(case, keep, monkeypatch):
         check_ragged(case, "cpu")
 
 
+@pytest.mark.parametrize("reduction", ["segments", "per-document"])
 @pytest.mark.parametrize("grad", [False, True], ids=["scores", "argmax-and-grads"])
 @pytest.mark.parametrize("chunked", [False, True], ids=["one-block", "chunked"])
 @pytest.mark.parametrize("case,keep", VARLEN_CASES, ids=_case_ids(VARLEN_CASES))
-def test_packed_cpu_path(case, keep, chunked, grad, monkeypatch):
-    """A packed varlen batch on the CPU is scored from GEMMs of the real tokens and segment reductions, without
-    padding (``chunked``: blocks of a few rows forced): the reference's scores without a gradient, and its scores,
-    argmax and gradients with one."""
+def test_packed_cpu_path(case, keep, chunked, grad, reduction, monkeypatch):
+    """A packed varlen batch on the CPU is scored from GEMMs of the real tokens, without padding (``chunked``:
+    blocks of a few rows forced), each document's maxima found as segments of ``Q·Dᵀ`` or by a reduction a document
+    (``reduction``, forced either way): the reference's scores without a gradient, and its scores, argmax and
+    gradients with one."""
     from maxsim import cpu, cpu_ragged
 
     general_cpu_path_only(monkeypatch)  # (with the argmax, small batches take the small-problem path)
+    monkeypatch.setattr(cpu_ragged, "PER_DOCUMENT_MIN_SIMS", 0 if reduction == "per-document" else 1 << 62)
     if chunked:
         monkeypatch.setattr(cpu, "BLOCK_BYTES", 256)
         monkeypatch.setattr(cpu_ragged, "PACKED_QUERY_ROWS", 8)
@@ -494,13 +497,16 @@ def test_packed_path_never_reads_offsets_off_the_cpu():
     assert cpu_ragged._well_formed(torch.tensor([0, 3, 5], dtype=torch.int32), 10, 5) == ([0, 3, 5], [3, 2])
 
 
-@pytest.mark.parametrize("path", ["small", "packed"])
+@pytest.mark.parametrize("path", ["small", "packed", "packed-per-document"])
 def test_packed_cpu_path_nan_argmax(path, monkeypatch):
     """A document holding NaN: its scores are NaN and each query token's argmax is the document's first NaN token,
     as ``torch.max`` (the reference) picks it; the other documents keep their argmax. On the small-problem path
-    (:mod:`maxsim.cpu_small`, which takes this batch with its argmax) and on the packed one."""
-    if path == "packed":
+    (:mod:`maxsim.cpu_small`, which takes this batch with its argmax) and on the packed one, with either reduction."""
+    from maxsim import cpu_ragged
+
+    if path != "small":
         general_cpu_path_only(monkeypatch)
+        monkeypatch.setattr(cpu_ragged, "PER_DOCUMENT_MIN_SIMS", 0 if path == "packed-per-document" else 1 << 62)
     gen = torch.Generator().manual_seed(9)
     Q, D = torch.randn(7, 8, generator=gen), torch.randn(15, 8, generator=gen)
     D[6, 3] = D[8, 0] = float("nan")  # tokens 2 and 4 of document 1 (rows 4..10)

@@ -382,20 +382,31 @@ PACKED_QUERY_ROWS = 4096
 """Query rows per block of the packed path (documents then fill :data:`maxsim.cpu.BLOCK_BYTES`)."""
 
 
-PACKED_ARGMAX_MAX_SIMS = 1 << 24
-"""Similarities (query tokens × document tokens) up to which the packed path also finds the argmax; beyond, its
-passes over the similarity block cost more than the padding they avoid (this 2-core CPU, training step with skewed
-lengths 20..1000: 7.8M similarities 178 ms packed against 189 padded, 164M 1038 against 834)."""
+PACKED_ARGMAX_MAX_SIMS = 1 << 40
+"""Similarities (query tokens × document tokens) up to which the packed path also finds the argmax (tests force the
+padded paths by lowering it). With documents reduced one by one (:data:`PER_DOCUMENT_MIN_SIMS`) it measured at or
+ahead of the padded paths at every size tried (this 2-core CPU, fp32, training step, skewed lengths Lq 8..32, Ld
+20..1000: 64 x 256, 32M similarities, 164-176 against 210-225 ms; 128 x 512, 109M, 580-650 against 950-1020; 256 x
+1024, 451M, 2.2 against 4.4 s; lengths alike, 256 x 256 Lq32 Ld300, 629M, 1.90-1.96 against 1.86-2.05 s); before it
+the bound was 16M."""
+
+PER_DOCUMENT_MIN_SIMS = 1 << 12
+"""Similarities a document (a block's query rows × its documents' mean length) from which the packed path reduces
+each document's tokens with a reduction of its own (:func:`_document_maxima`: one op a document, vectorized across
+the query rows) instead of one segment reduction over the block (``segment_reduce``: 2-4 ns a similarity on this
+CPU, one op for all documents). Inference, fp32, skewed lengths (segments against one by one): 32 rows against
+documents of 53 tokens on average 170 against 180 ms, 58 rows x 53 tokens 25.5 against 31, 32 x 105 73 against 55,
+32 x 219 75 against 46, 107 x 106 90 against 65; the bench's 64 x 256 (915 rows x 138) 134 against 44 ms."""
 
 
 def _packed_cross(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: Ragged) -> tuple[Tensor, Tensor] | None:
     """Varlen cross product on the CPU without padding: one GEMM of the packed tokens per block (``[query rows,
-    document rows]``, real similarities only), the max over each document's columns and the sum over each query's
-    rows as segment reductions (a document without tokens contributes 0, as in every path; NaN propagates). The
-    argmax is the lowest column of a document's segment holding its max (or its first NaN, as ``torch.max``),
-    found as a segment minimum of column positions. None when an offset is out of range or a segment is longer
-    than its ``max_seqlen`` (the padded path gives those scores NaN), or, with the argmax, when positions would not
-    be exact in fp32 or the problem is larger than :data:`PACKED_ARGMAX_MAX_SIMS`."""
+    document rows]``, real similarities only), the max over each document's tokens (:func:`_block_maxima`) and the
+    sum over each query's rows as a segment reduction (a document without tokens contributes 0, as in every path;
+    NaN propagates; the argmax is a document's lowest token holding its max, or its first NaN, as ``torch.max``).
+    None when an offset is out of range or a segment is longer than its ``max_seqlen`` (the padded path gives those
+    scores NaN), or, with the argmax, when positions would not be exact in fp32 or the problem is larger than
+    :data:`PACKED_ARGMAX_MAX_SIMS`."""
     q = _well_formed(rg.q_seg, Q.shape[0], rg.max_q)
     d = _well_formed(rg.d_seg, D.shape[0], rg.max_d)
     if q is None or d is None or (need_argmax and rg.max_d >= 1 << 24):
@@ -406,8 +417,9 @@ def _packed_cross(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: 
     acc = torch.float64 if Q.dtype == torch.float64 else torch.float32
     n_q, n_d, max_q = len(q_len), len(d_len), rg.max_q
     scores = torch.zeros((n_q, n_d), dtype=acc)
-    # argmax by (query, token) row first, so a block's rows are written in one index_copy_; -1 = no document token
-    arg_rows = torch.full((n_q * max_q, n_d) if need_argmax else (0,), -1, dtype=torch.int32)
+    # argmax by document first, then (query, token) slot, so a block's slots are written in one index_copy_; -1 = no
+    # document token
+    arg_slots = torch.full((n_d, n_q * max_q) if need_argmax else (0,), -1, dtype=torch.int32)
     itemsize = torch.finfo(acc).bits // 8
     d_len_t, q_len_t = torch.tensor(d_len), torch.tensor(q_len)
     for qi0, qi1 in _chunks(q_off, PACKED_QUERY_ROWS):
@@ -428,26 +440,66 @@ def _packed_cross(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: 
             Db = cpu._as(D[c0:c1], acc)
             if normalize:
                 Db = Db * cpu._inv_norm(Db)[:, None]
-            lengths = d_len_t[di0:di1]
-            seg = lengths.expand(r1 - r0, -1)
-            sim = Qb @ Db.T
-            best = torch.segment_reduce(sim, "max", lengths=seg, axis=1, unsafe=True)
-            has_tokens = lengths > 0
-            scores[qi0:qi1, di0:di1] = torch.segment_reduce(
-                torch.where(has_tokens, best, best.new_zeros(())), "sum", lengths=q_len_t[qi0:qi1], axis=0, unsafe=True
-            )  # (an empty segment's max is -inf)
+            best, arg = _block_maxima(Qb, Db, d_off[di0 : di1 + 1], d_len_t[di0:di1], need_argmax)  # [docs, rows]
+            per_query = torch.segment_reduce(best.T, "sum", lengths=q_len_t[qi0:qi1], axis=0, unsafe=True)
+            scores[qi0:qi1, di0:di1] = per_query
             if need_argmax:
-                doc_of_col = torch.repeat_interleave(torch.arange(di1 - di0), lengths, output_size=c1 - c0)
-                hit = (sim == best.index_select(1, doc_of_col)) | torch.isnan(sim)
-                # each column's position in its document: its row less the document's first row
-                in_doc = (torch.arange(c0, c1) - rg.d_seg[di0:di1].index_select(0, doc_of_col)).to(acc)
-                pos = torch.where(hit, in_doc, float("inf"))
-                first = torch.segment_reduce(pos, "min", lengths=seg, axis=1, unsafe=True)
-                arg = torch.where(has_tokens, first, -1.0).to(torch.int32)
-                arg_rows[:, di0:di1].index_copy_(0, slots, arg)
+                arg_slots[di0:di1].index_copy_(1, slots, arg)
     if not need_argmax:
-        return scores, arg_rows
-    return scores, arg_rows.view(n_q, max_q, n_d).permute(0, 2, 1).contiguous()
+        return scores, arg_slots
+    return scores, arg_slots.view(n_d, n_q, max_q).transpose(0, 1).contiguous()
+
+
+def _block_maxima(
+    Qb: Tensor, Db: Tensor, offsets: list[int], lengths: Tensor, need_argmax: bool
+) -> tuple[Tensor, Tensor | None]:
+    """Each query row's max over each document's tokens, ``Qb [rows, dim]`` against the documents packed in ``Db
+    [cols, dim]`` at ``offsets`` (absolute, ``[docs + 1]``; ``lengths`` the same as a tensor): ``(best [docs, rows],
+    argmax [docs, rows] int32 or None)``, a document without tokens 0 and -1 (it contributes nothing).
+
+    Documents of :data:`PER_DOCUMENT_MIN_SIMS` similarities or more are reduced one by one
+    (:func:`_document_maxima`); smaller ones as segments of ``Q·Dᵀ`` (``segment_reduce``; the argmax as the segment
+    minimum of the positions holding the max or NaN)."""
+    rows, cols, docs = Qb.shape[0], Db.shape[0], len(offsets) - 1
+    if rows * cols >= PER_DOCUMENT_MIN_SIMS * docs:
+        return _document_maxima(Db @ Qb.T, [o - offsets[0] for o in offsets], need_argmax)
+    seg = lengths.expand(rows, -1)
+    sim = Qb @ Db.T
+    best = torch.segment_reduce(sim, "max", lengths=seg, axis=1, unsafe=True)  # [rows, docs]; empty: -inf
+    has_tokens = lengths > 0
+    arg = None
+    if need_argmax:
+        doc_of_col = torch.repeat_interleave(torch.arange(docs), lengths, output_size=cols)
+        hit = (sim == best.index_select(1, doc_of_col)) | torch.isnan(sim)
+        # each column's position in its document: its column less the document's first column
+        starts = torch.tensor(offsets[:-1]) - offsets[0]
+        in_doc = (torch.arange(cols) - starts.index_select(0, doc_of_col)).to(sim.dtype)
+        first = torch.segment_reduce(torch.where(hit, in_doc, float("inf")), "min", lengths=seg, axis=1, unsafe=True)
+        arg = torch.where(has_tokens, first, -1.0).to(torch.int32).T
+    return torch.where(has_tokens, best, best.new_zeros(())).T, arg
+
+
+def _document_maxima(sim_t: Tensor, offsets: list[int], need_argmax: bool) -> tuple[Tensor, Tensor | None]:
+    """``sim_t [cols, rows]`` (documents first: each document's tokens are consecutive rows) reduced document by
+    document over its rows ``offsets[i] .. offsets[i + 1]``: ``(best [docs, rows], argmax [docs, rows] int32 or
+    None)``; a document without tokens gives 0 and -1. One op a document, each vectorized across the query rows (a
+    segment reduction over the columns of ``Q·Dᵀ`` is not: this 2-core CPU, fp32, 915 query rows against 54
+    documents of 20..1000 tokens, 15.8 ms against 1.5, with the argmax 4.6)."""
+    docs, rows = len(offsets) - 1, sim_t.shape[1]
+    empty = any(a == b for a, b in zip(offsets[:-1], offsets[1:], strict=True))
+    best = (torch.zeros if empty else torch.empty)((docs, rows), dtype=sim_t.dtype)
+    arg = None
+    if need_argmax:
+        arg = torch.full((docs, rows), -1, dtype=torch.int64) if empty else torch.empty((docs, rows), dtype=torch.int64)
+    for i in range(docs):
+        a, b = offsets[i], offsets[i + 1]
+        if a == b:
+            continue
+        if arg is None:
+            torch.amax(sim_t[a:b], 0, out=best[i])  # NaN propagates
+        else:
+            torch.max(sim_t[a:b], 0, out=(best[i], arg[i]))  # ties: lowest token; NaN: its first
+    return best, None if arg is None else arg.to(torch.int32)
 
 
 def _length_classes(lengths: Tensor) -> list[tuple[Tensor, int]]:
