@@ -51,6 +51,11 @@ def _cases(device):
             ValueError,
             [word("12"), word("8")],
         ),
+        "dim-zero": (
+            lambda: ms(randn((NQ, LQ, 0), seed=5, **f32), randn((ND, LD, 0), seed=6, **f32)),
+            ValueError,
+            [word("Q"), "at least 1", _shape_re(NQ, LQ, 0)],
+        ),
         # candidates: the leading dim of a 4-D D must be Nq
         "candidates-Nq": (lambda: ms(Q, randn((5, K, LD, DIM), seed=5, **f32)), ValueError, [word("D"), word("5")]),
         # mask shapes

@@ -359,12 +359,20 @@ EMPTY_CASES = {
     "pairs-B0": ((0, 5, 8), (0, 6, 8), (0, 5), (0, 6), (0,), True),
     "Q2D-Nd0": ((5, 8), (0, 6, 8), (5,), (0, 6), (0,), False),
     "D2D-Nq0": ((0, 5, 8), (6, 8), (0, 5), (6,), (0,), False),
+    # no query token or no document token (scores 0; a token dim of 0 is an error: test_errors.py)
+    "cross-Lq0": ((2, 0, 8), (3, 6, 8), (2, 0), (3, 6), (2, 3), False),
+    "cross-Ld0": ((2, 5, 8), (3, 0, 8), (2, 5), (3, 0), (2, 3), False),
+    "candidates-Ld0": ((2, 5, 8), (2, 3, 0, 8), (2, 5), (2, 3, 0), (2, 3), False),
+    "pairs-Ld0": ((2, 5, 8), (2, 0, 8), (2, 5), (2, 0), (2,), True),
+    "Q2D-Ld0": ((5, 8), (3, 0, 8), (5,), (3, 0), (3,), False),
 }
 
 
 @pytest.mark.parametrize("with_masks", [False, True], ids=["nomask", "masks"])
 @pytest.mark.parametrize("name", list(EMPTY_CASES))
 def test_empty_batches(name, with_masks, backend, device):
+    """Empty batches and empty sequences: the right shape and dtype, scores 0, zero gradients of the inputs'
+    shapes (no crash in the backward)."""
     qs, ds, qms, dms, out_shape, pairs = EMPTY_CASES[name]
     Q = randn(qs, seed=1, device=device).requires_grad_()
     D = randn(ds, seed=2, device=device).requires_grad_()
@@ -373,6 +381,7 @@ def test_empty_batches(name, with_masks, backend, device):
     fn = maxsim.maxsim_pairs if pairs else maxsim.maxsim
     s = fn(Q, D, qm, dm)
     assert s.shape == out_shape and s.dtype == torch.float32 and s.device == Q.device
+    assert bool((s == 0).all()), f"{name}: scores {s.tolist()}, expected 0 (no token pair to score)"
     s.sum().backward()
     for name_, x in (("Q", Q), ("D", D)):
         assert x.grad is not None, f"no gradient for {name_} with an empty batch"

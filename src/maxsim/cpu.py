@@ -333,6 +333,8 @@ def backward(
     devices ``index_add_`` uses atomics, so ``deterministic=True`` there selects the tokens with a one-hot product
     instead (fixed summation order).
     """
+    if Q.numel() == 0 or D.numel() == 0:  # no token pair: nothing chosen (a one-hot of 0 tokens has no column)
+        return torch.zeros_like(Q), torch.zeros_like(D)
     if Q.device.type == "cpu" and _one_hot_worthwhile(Q, D):
         if normalize:
             return _backward_one_hot_normalized(grad, Q, D, argmax)
