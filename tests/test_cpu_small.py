@@ -9,8 +9,11 @@ and varlen cross products, the offsets and ids read back as lists.
   per-pair blocks (a pair list) and padded block (a varlen batch), and scores equal with and without the argmax;
 * padding never leaks: NaN and inf in the rows that follow a short query or document (which the padded block reads:
   another sequence, or rows after the last one) change no score, argmax or gradient;
+* the varlen forward with the argmax (every document padded to the longest in one block) and without it (the
+  packed path), and the backward's links added row by row or as products with a dense matrix of their weights,
+  which falls back to the rows where a token in range is not finite;
 * what never takes this path: ids or offsets out of range, tensors off the CPU, problems above the bounds, a varlen
-  forward.
+  forward without the argmax or of long documents.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from maxsim import cpu_by_document, cpu_small
 from maxsim.layout import Ragged as Layout
 
 PRODUCTS = ["auto", "cross", "gather"]
+BACKWARDS = ["links", "products"]
 
 
 @pytest.fixture(autouse=True)
@@ -46,10 +50,18 @@ def taken(monkeypatch) -> list[tuple[str, bool]]:
     return calls
 
 
-def _force(monkeypatch, product: str) -> None:
-    """The similarities from the cross product of every packed token, or from each pair's gathered rows."""
+def _force(monkeypatch, product: str, backward: str | None = None) -> None:
+    """The similarities from the cross product of every packed token, or from each pair's gathered rows; the
+    backward's links row by row or as products (None: as the bounds choose)."""
     if product != "auto":
         monkeypatch.setattr(cpu_small, "_cross_product_pays", lambda *args: product == "cross")
+    if backward is not None:
+        monkeypatch.setattr(cpu_small, "_products_pay", lambda *args: backward == "products")
+
+
+def _varlen_forward(monkeypatch, forward: str) -> None:
+    """A varlen forward with the argmax through this path's padded block, or through the packed path."""
+    monkeypatch.setattr(cpu_small, "CROSS_FORWARD_MEAN_LD", 1 << 30 if forward == "padded" else -1)
 
 
 def _random_varlen(seed: int) -> Ragged:
@@ -73,21 +85,29 @@ def _random_varlen(seed: int) -> Ragged:
 # random cases against the reference
 
 
+@pytest.mark.parametrize("backward", BACKWARDS)
 @pytest.mark.parametrize("product", PRODUCTS)
 @pytest.mark.parametrize("seed", range(24))
-def test_random_pair_lists_match_the_reference(seed, product, monkeypatch, taken):
-    _force(monkeypatch, product)
+def test_random_pair_lists_match_the_reference(seed, product, backward, monkeypatch, taken):
+    _force(monkeypatch, product, backward)
     with maxsim.backend("torch"):
         check_ragged(_random_case(seed), "cpu", any_ties=True)
     assert taken == [("forward", True), ("backward", True)], taken
 
 
+@pytest.mark.parametrize("backward", BACKWARDS)
+@pytest.mark.parametrize("forward", ["padded", "packed"])
 @pytest.mark.parametrize("seed", range(24))
-def test_random_varlen_batches_match_the_reference(seed, taken):
-    """The backward of a varlen cross product (its forward: the packed path)."""
+def test_random_varlen_batches_match_the_reference(seed, forward, backward, monkeypatch, taken):
+    """A varlen cross product: the forward through this path's padded block or the packed path, the backward's
+    links either way."""
+    _varlen_forward(monkeypatch, forward)
+    _force(monkeypatch, "auto", backward)
+    case = _random_varlen(seed)
     with maxsim.backend("torch"):
-        check_ragged(_random_varlen(seed), "cpu", any_ties=True)
-    assert taken == [("forward", False), ("backward", True)], taken
+        check_ragged(case, "cpu", any_ties=True)
+    no_token = not any(case.q_lens) or not any(case.d_lens)  # (scores 0 without a block: taken either way)
+    assert taken == [("forward", forward == "padded" or no_token), ("backward", True)], taken
 
 
 @pytest.mark.parametrize("product", PRODUCTS)
@@ -145,17 +165,20 @@ EXACT_VARLEN = [
 ]
 
 
+@pytest.mark.parametrize("backward", BACKWARDS)
 @pytest.mark.parametrize("product", PRODUCTS)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp64"])
 @pytest.mark.parametrize("case", EXACT_CASES + EXACT_VARLEN, ids=range(len(EXACT_CASES + EXACT_VARLEN)))
-def test_exact_ties_equal_the_general_path(case, dtype, product, monkeypatch):
+def test_exact_ties_equal_the_general_path(case, dtype, product, backward, monkeypatch):
     """Integer tokens (exact products and sums, ties between document tokens, repeats, empty sequences): the small
-    path's scores, argmax (lowest tied index) and gradients are the general path's, bitwise, and the reference's."""
+    path's scores, argmax (lowest tied index) and gradients are the general path's, bitwise, and the reference's
+    (a varlen forward with the argmax: this path's padded block)."""
     if case.pairs is None and product == "gather":
         pytest.skip("a varlen batch always takes the cross product")
     bound = ("given", "bound")[len(case.d_lens) % 2]  # (some cases with max_seqlen above the longest)
     case = dataclasses.replace(case, dim=8, exact=True, dtype=dtype, max_seqlen=bound)
-    _force(monkeypatch, product)
+    _force(monkeypatch, product, backward)
+    _varlen_forward(monkeypatch, "padded")
     small, general = _results(case, True, monkeypatch), _results(case, False, monkeypatch)
     for name, x, y in zip(("scores", "argmax", "dQ", "dD", "scores without argmax"), small, general, strict=True):
         assert x.dtype == y.dtype and torch.equal(x, y), f"{name}: small {x.tolist()} != general {y.tolist()}"
@@ -168,14 +191,17 @@ def test_exact_ties_equal_the_general_path(case, dtype, product, monkeypatch):
 # padding never leaks
 
 
+@pytest.mark.parametrize("backward", BACKWARDS)
 @pytest.mark.parametrize("product", PRODUCTS)
 @pytest.mark.parametrize("fn", ["pairs", "varlen"])
-def test_nan_and_inf_in_the_padding_stay_out(fn, product, monkeypatch, taken):
+def test_nan_and_inf_in_the_padding_stay_out(fn, product, backward, monkeypatch, taken):
     """The padded block reads the rows after a short query or document, up to and past the last one: NaN and inf
-    there (in a sequence no pair scores, and in rows after the last sequence) change no score, argmax or gradient."""
+    there (in a sequence no pair scores, and in rows after the last sequence) change no score, argmax or gradient
+    (the products fall back to the rows: a poisoned sequence lies among the scored rows)."""
     if fn == "varlen" and product == "gather":
         pytest.skip("a varlen batch always takes the cross product")
-    _force(monkeypatch, product)
+    _force(monkeypatch, product, backward)
+    _varlen_forward(monkeypatch, "padded")
     if fn == "pairs":  # query 1 and document 1 (poisoned) are in no pair; query 0 and documents 0, 2 are short
         case = Ragged((2, 5, 3), (2, 6, 1), pairs=((0, 0), (2, 2), (0, 2), (2, 0), (0, 0)), dim=8, max_seqlen="bound")
     else:
@@ -199,7 +225,7 @@ def test_nan_and_inf_in_the_padding_stay_out(fn, product, monkeypatch, taken):
     assert bool(torch.isfinite(dQ).all() and torch.isfinite(dD).all()), "a poisoned row reached a gradient"
     torch.testing.assert_close(dQ.double(), rdQ, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dD.double(), rdD, rtol=1e-5, atol=1e-5)
-    assert taken == [("forward", fn == "pairs"), ("backward", True)], taken
+    assert taken == [("forward", True), ("backward", True)], taken
 
 
 @pytest.mark.parametrize(
@@ -214,7 +240,35 @@ def test_no_token_at_all(case, taken):
     s, arg, dQ, dD = check_ragged(case, "cpu")
     assert not bool(s.any()) and bool((arg == -1).all())
     assert not bool(dQ.any()) and not bool(dD.any())
-    assert taken == [("forward", case.pairs is not None), ("backward", True)], taken
+    assert taken == [("forward", True), ("backward", True)], taken
+
+
+@pytest.mark.parametrize("fn", ["pairs", "varlen"])
+def test_products_fall_back_to_the_rows_for_a_token_that_is_not_finite(fn, monkeypatch):
+    """A token of a scored sequence holding inf or NaN that no query token chose: a product with the weights would
+    multiply it by 0 (NaN in every gradient row); the backward adds the links row by row instead, and its gradients
+    are those of the row-by-row backward, bitwise (finite where that token was not chosen)."""
+    pairs = ((0, 0), (1, 1), (1, 0)) if fn == "pairs" else None  # (query 0 meets document 0 only)
+    case = Ragged((3, 4), (5, 3), pairs=pairs, dim=8, exact=True, max_seqlen="bound")
+    b = build(case, "cpu")
+    Q, D = b.Q.abs() + 1, b.D.clone()  # (positive query tokens: a -inf component makes a similarity -inf)
+    D[1, 0] = float("-inf")  # (document 0's second token: never the max)
+    D[6, 3] = float("nan")  # (document 1's second token: a NaN similarity, chosen: its scores are NaN)
+    grads = {}
+    for backward in BACKWARDS:
+        _force(monkeypatch, "auto", backward)
+        _varlen_forward(monkeypatch, "padded")
+        Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+        with maxsim.backend("torch"):
+            s, _ = lib_call(case, b, Qg, Dg)
+        grads[backward] = torch.autograd.grad(s, (Qg, Dg), torch.ones_like(s))
+    for x, y in zip(grads["products"], grads["links"], strict=True):
+        assert torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(), y.nan_to_num())
+    dQ, dD = grads["products"]
+    assert bool(torch.isfinite(dD[:5]).all()), f"document 0's gradient: {dD[:5].tolist()}"
+    if fn == "pairs":
+        assert bool(torch.isfinite(dQ[:3]).all()), "query 0, which meets only document 0, got a NaN gradient"
+    assert not bool(torch.isfinite(dQ[3:]).all()), "query 1 chose the NaN token: its gradient should hold NaN"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -262,7 +316,8 @@ def test_tensors_off_the_cpu_are_never_read():
 
 
 def test_bounds():
-    """Problems above the bounds (by the given maxima) and varlen forwards take the general path."""
+    """Problems above the bounds (by the given maxima), varlen forwards without the argmax, and varlen forwards of
+    documents longer than :data:`maxsim.cpu_small.CROSS_FORWARD_MEAN_LD` on average take the general path."""
     Q, D = torch.randn(6, 8), torch.randn(7, 8)
     cu_q, cu_d = torch.tensor([0, 2, 6]), torch.tensor([0, 3, 7])
     pq, pd = torch.tensor([0, 1, 1]), torch.tensor([1, 0, 1])
@@ -271,5 +326,39 @@ def test_bounds():
     assert cpu_small.plan(Q, D, Layout(cu_q, cu_d, pq, pd, 4, big)) is None
     assert cpu_small.plan(Q, D, Layout(cu_q, cu_d, None, None, 4, 4)) is not None
     assert cpu_small.plan(Q, D, Layout(cu_q, cu_d, None, None, 4, cpu_small.MAX_CROSS_SIMS // 16 + 1)) is None
-    for need_argmax in (False, True):
-        assert cpu_small.forward(Q, D, False, need_argmax, Layout(cu_q, cu_d, None, None, 4, 4)) is None
+    varlen = Layout(cu_q, cu_d, None, None, 4, 4)
+    assert cpu_small.forward(Q, D, False, False, varlen) is None
+    assert cpu_small.forward(Q, D, False, True, varlen) is not None
+    D_long = torch.randn(2 * cpu_small.CROSS_FORWARD_MEAN_LD + 1, 8)
+    cu_long = torch.tensor([0, cpu_small.CROSS_FORWARD_MEAN_LD, D_long.shape[0]])
+    long = Layout(cu_q, cu_long, None, None, 4, D_long.shape[0])
+    assert cpu_small.plan(Q, D_long, long) is not None
+    assert cpu_small.forward(Q, D_long, False, True, long) is None
+
+
+@pytest.mark.parametrize("backward", BACKWARDS)
+@pytest.mark.parametrize("fn", ["pairs", "varlen"])
+def test_offsets_that_start_past_the_first_row(fn, backward, monkeypatch, taken):
+    """Sequences that start past the first packed row (rows before them, NaN here, belong to no sequence): the
+    padded block's windows and the products' weights count from the first sequence's row. Scores and argmax as
+    those of the same tokens packed from row 0, bitwise; gradients the same rows of theirs, zero on the rows
+    before."""
+    _force(monkeypatch, "cross", backward)
+    _varlen_forward(monkeypatch, "padded")
+    pairs = ((0, 1), (1, 0), (1, 2), (0, 0)) if fn == "pairs" else None
+    case = Ragged((3, 0, 5), (4, 2, 0, 6), pairs=pairs, dim=8, exact=True, max_seqlen="bound")
+    b = build(case, "cpu")
+    results = []
+    for skip in (0, 3):
+        nan = torch.full((skip, 8), float("nan"))
+        Q, D = torch.cat([nan, b.Q]).requires_grad_(), torch.cat([nan, b.D]).requires_grad_()
+        shifted = dataclasses.replace(b, cu_q=b.cu_q + skip, cu_d=b.cu_d + skip)
+        with maxsim.backend("torch"):
+            s, arg = lib_call(case, shifted, Q, D)
+        weights = (torch.arange(s.numel(), dtype=s.dtype) % 3 - 1).view(s.shape)
+        dQ, dD = torch.autograd.grad(s, (Q, D), weights)
+        assert not bool(dQ[:skip].any()) and not bool(dD[:skip].any())
+        results.append((s, arg, dQ[skip:], dD[skip:]))
+    for name, x, y in zip(("scores", "argmax", "dQ", "dD"), *results, strict=True):
+        assert torch.equal(x, y), f"{name}: {x.tolist()} != {y.tolist()} (from row 0)"
+    assert taken == [("forward", True), ("backward", True)] * 2, taken

@@ -51,6 +51,23 @@ path (its links in one block; the general path adds them in cache-sized blocks).
 fp32, dim 128, against the general path's backward: 10K similarities 461 against 515 µs, 45K 558 against 596,
 129K-451K 0.98-1.00x, 2M 2.2x slower."""
 
+PRODUCTS_PER_LINK = 48
+"""Weights per link (``rows_q·rows_d`` over the links that chose a token) up to which the backward adds its links as
+two products with a dense matrix of their weights (:func:`_products_pay`), else row by row. Either way it is a few
+ops; the products stream every token once, where each link gathers and adds a row. This 2-core CPU, fp32, dim 128,
+training step (interleaved, medians), links -> products: varlen 16 x 16 of Lq / Ld 2..16 1.91 -> 1.30 ms (about 9
+weights a link), fixed 4 x 64 of 16 / 16 2.58 -> 1.70 (16); pair lists of 32 x 32 from a pool of 128 (16 / 16, 36
+weights a link) 6.9 -> 5.0 ms; 4 x 16 from a pool of 32 documents of 15..125 tokens (140) 1.15 -> 1.35 ms, 16 x 16
+from 64 of 8..64 (144) 3.42 -> 3.72."""
+
+CROSS_FORWARD_MEAN_LD = 32
+"""Mean document length up to which a varlen cross product's forward with the argmax takes :func:`_cross_forward`
+(every document padded to the longest in one block), else the packed path's segment reductions
+(:func:`maxsim.cpu_ragged._packed_cross`); the scores alone always take the latter (fewer ops). This 2-core CPU,
+fp32, dim 128, training step with the products backward, packed -> padded forward: 4 x 16 of Lq 1..8, Ld 5..40
+0.96 -> 0.89 ms, 4 x 32 of 2..16 / 4..32 1.36 -> 1.29, 16 x 16 of 2..16 / 2..16 1.54 -> 1.31; Ld 15..125 (mean ~70)
+1.51 -> 1.69."""
+
 MAX_VALUES = 1 << 13
 """Offsets and pair ids (``Nq + Nd + P``) up to which they are read back as lists here (a large pool of documents
 with few pairs: reading every offset would cost more than the ops saved)."""
@@ -69,6 +86,7 @@ class _Plan(NamedTuple):
     q_fits: bool  # every query's first lq rows lie within Q (a window view of Q needs no clamp)
     d_fits: bool  # every document's first ld rows lie within D
     cross: bool  # the similarities come from the cross product of every packed token (:func:`_similarities`)
+    q_rows: tuple[int, int]  # the first and last offset of the queries
     d_rows: tuple[int, int]  # the first and last offset of the documents
 
 
@@ -104,7 +122,7 @@ def plan(Q: Tensor, D: Tensor, rg: Ragged) -> _Plan | None:
     cross = _cross_product_pays(rows_q, rows_d, grid * lq * ld)
     return _Plan(
         rows_q, rows_d, lq, ld, q_lo < lq, d_lo < ld, d_lo == 0, q_off[-2] + lq <= rows_q, d_off[-2] + ld <= rows_d,
-        cross, (d_off[0], d_off[-1]),
+        cross, (q_off[0], q_off[-1]), (d_off[0], d_off[-1]),
     )  # fmt: skip
 
 
@@ -147,18 +165,23 @@ def _pairs(rg: Ragged, p: _Plan) -> _Pairs:
 
 
 def forward(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: Ragged) -> tuple[Tensor, Tensor] | None:
-    """As :func:`maxsim.cpu_ragged.forward` for a pair list: scores ``[1, P]`` (fp32, fp64 for fp64 inputs) and, if
-    asked, the argmax ``[1, P, max_q]`` int32 (else ``[0]``); None for a varlen cross product (see the module
-    docstring) or where this path does not apply (:func:`plan`)."""
-    if rg.pair_q is None:
-        return None
+    """As :func:`maxsim.cpu_ragged.forward`: for a pair list, scores ``[1, P]`` (fp32, fp64 for fp64 inputs) and, if
+    asked, the argmax ``[1, P, max_q]`` int32 (else ``[0]``); for a varlen cross product, ``[Nq, Nd]`` and
+    ``[Nq, Nd, max_q]``. None where this path does not apply (:func:`plan`)."""
+    if rg.pair_q is None and not need_argmax:
+        return None  # (the scores alone: the packed path's segment reductions, fewer ops)
     p = plan(Q, D, rg)
     if p is None:
         return None
-    P = rg.pair_q.shape[0]
+    grid = (1, rg.pair_q.shape[0]) if rg.pair_q is not None else (rg.q_seg.shape[0] - 1, rg.d_seg.shape[0] - 1)
     if p.lq == 0 or p.ld == 0:  # no query or no document token anywhere: every score 0, nothing chosen
-        scores = torch.zeros((1, P), dtype=accum_dtype(Q.dtype))
-        return scores, torch.full((1, P, rg.max_q) if need_argmax else (0,), -1, dtype=torch.int32)
+        scores = torch.zeros(grid, dtype=accum_dtype(Q.dtype))
+        return scores, torch.full((*grid, rg.max_q) if need_argmax else (0,), -1, dtype=torch.int32)
+    if rg.pair_q is None:
+        if p.d_rows[1] - p.d_rows[0] > CROSS_FORWARD_MEAN_LD * grid[1]:
+            return None
+        return _cross_forward(Q, D, normalize, need_argmax, rg, p)
+    P = rg.pair_q.shape[0]
     g = _pairs(rg, p)
     if p.cross and not need_argmax:
         return _pair_scores_by_segments(Q, D, normalize, p, g, rg).view(1, P), torch.empty((0,), dtype=torch.int32)
@@ -169,6 +192,49 @@ def forward(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: Ragged
             argmax = torch.nn.functional.pad(argmax, (0, rg.max_q - p.lq), value=-1)
         argmax = argmax.view(1, P, rg.max_q)
     return scores.view(1, P), argmax
+
+
+def _cross_forward(
+    Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: Ragged, p: _Plan
+) -> tuple[Tensor, Tensor]:
+    """A varlen cross product: scores ``[Nq, Nd]`` and, if asked, the argmax ``[Nq, Nd, max_q]`` int32 (else ``[0]``).
+
+    One GEMM of every packed query token against every packed document token (``[rows_q, rows_d]``: the real
+    similarities, no padding of the queries), then each document's window of its columns, padded to the longest
+    document (``[rows_q, Nd, ld]``; -inf past a document's end), its max over the tokens, and a segment sum over
+    each query's rows. A document without tokens adds 0 and chooses -1; ties go to the lowest token and NaN
+    propagates (``torch.max``); a query without tokens scores 0 (an empty segment)."""
+    acc = accum_dtype(Q.dtype)
+    (q0, q1), (d0, d1) = p.q_rows, p.d_rows
+    rq, rd, n_q, n_d = q1 - q0, d1 - d0, rg.q_seg.shape[0] - 1, rg.d_seg.shape[0] - 1
+    Qa, Da = cpu._as(Q[q0:q1], acc), cpu._as(D[d0:d1], acc)
+    if normalize:
+        Qa, Da = Qa * cpu._inv_norm(Qa)[:, None], Da * cpu._inv_norm(Da)[:, None]
+    # (slack after the product: a window may run past its row, the last row's into the slack; those columns are
+    # masked. Windows start at columns 0..rd: an empty document at the end starts at rd.)
+    buf = torch.empty(rq * rd + p.ld, dtype=acc)
+    torch.mm(Qa, Da.T, out=buf[: rq * rd].view(rq, rd))
+    d_start = rg.d_seg[:-1] if d0 == 0 else rg.d_seg[:-1] - d0
+    sim = buf.as_strided((rq, rd + 1, p.ld), (rd, 1, 1)).index_select(1, d_start)  # [rows_q, Nd, ld]
+    d_len = rg.d_seg.diff() if p.d_short else None
+    if d_len is not None:
+        sim.masked_fill_(torch.arange(p.ld) >= d_len[:, None], float("-inf"))
+    best, arg = sim.max(dim=-1) if need_argmax else (sim.amax(dim=-1), None)  # [rows_q, Nd]
+    if p.d_empty:  # (an empty document is a short one: d_len is known)
+        has_tokens = d_len > 0
+        best = torch.where(has_tokens, best, 0.0)
+        if arg is not None:
+            arg.masked_fill_(~has_tokens, -1)
+    q_len = rg.q_seg.diff()
+    scores = torch.segment_reduce(best, "sum", lengths=q_len, axis=0, unsafe=True)  # [Nq, Nd]
+    if arg is None:
+        return scores, torch.empty((0,), dtype=torch.int32)
+    # each packed query row's slot (query, token) of the [Nq, max_q, Nd] grid
+    q_of_row = torch.repeat_interleave(torch.arange(n_q), q_len, output_size=rq)
+    q_start = rg.q_seg[:-1] if q0 == 0 else rg.q_seg[:-1] - q0
+    slot = torch.arange(rq).add_(q_of_row, alpha=rg.max_q).sub_(q_start.index_select(0, q_of_row))
+    grid = torch.full((n_q * rg.max_q, n_d), -1, dtype=arg.dtype).index_copy_(0, slot, arg)
+    return scores, grid.view(n_q, rg.max_q, n_d).transpose(1, 2).to(torch.int32, memory_format=torch.contiguous_format)
 
 
 def _pair_scores_by_segments(Q: Tensor, D: Tensor, normalize: bool, p: _Plan, g: _Pairs, rg: Ragged) -> Tensor:
@@ -292,8 +358,8 @@ def backward(
     if normalize:
         norm_q, norm_d = torch.linalg.vector_norm(Qa, dim=-1), torch.linalg.vector_norm(Da, dim=-1)
         Qa, Da = Qa * cpu._inv_norm(Qa)[:, None], Da * cpu._inv_norm(Da)[:, None]
-    dQ, dD = torch.zeros_like(Qa), torch.zeros_like(Da)
     width = argmax.shape[-1]
+    dQ = dD = None
     if p.lq and p.ld and width:
         links = argmax.reshape(-1)
         chosen = (links >= 0).nonzero().squeeze(1)
@@ -306,7 +372,33 @@ def backward(
         rows_q = rg.q_seg.index_select(0, q) + (chosen - score * width)
         rows_d = rg.d_seg.index_select(0, d) + links.index_select(0, chosen)
         w = cpu._as(grad, acc).reshape(-1).index_select(0, score)
-        cpu.add_links(dQ, dD, Qa, Da, rows_q, rows_d, w)
+        (q0, q1), (d0, d1) = p.q_rows, p.d_rows
+        if _products_pay(q1 - q0, d1 - d0, chosen.shape[0]) and cpu.all_finite(Qa[q0:q1], Da[d0:d1]):
+            weights = torch.zeros((q1 - q0, d1 - d0), dtype=acc)
+            weights.index_put_((rows_q - q0 if q0 else rows_q, rows_d - d0 if d0 else rows_d), w, accumulate=True)
+            dQ = _rows_of(weights @ Da[d0:d1], q0, Qa.shape[0])
+            dD = _rows_of(weights.T @ Qa[q0:q1], d0, Da.shape[0])
+        else:
+            dQ, dD = torch.zeros_like(Qa), torch.zeros_like(Da)
+            cpu.add_links(dQ, dD, Qa, Da, rows_q, rows_d, w)
+    if dQ is None:
+        dQ, dD = torch.zeros_like(Qa), torch.zeros_like(Da)
     if normalize:
         dQ, dD = cpu.project_normalized_grad(dQ, Qa, norm_q), cpu.project_normalized_grad(dD, Da, norm_d)
     return cpu._as(dQ, Q.dtype), cpu._as(dD, D.dtype)
+
+
+def _products_pay(rows_q: int, rows_d: int, n_links: int) -> bool:
+    """Whether the backward adds its links as two products with a dense ``[rows_q, rows_d]`` matrix of their weights
+    (one GEMM each for dQ and dD, no zero-filled gradient to add rows into) rather than row by row
+    (:func:`maxsim.cpu.add_links`). (A function: the tests force either choice.)"""
+    return rows_q * rows_d <= PRODUCTS_PER_LINK * n_links
+
+
+def _rows_of(g: Tensor, first: int, rows: int) -> Tensor:
+    """``g [n, dim]`` as rows ``first .. first + n`` of a ``[rows, dim]`` gradient, zero elsewhere."""
+    if first == 0 and g.shape[0] == rows:
+        return g
+    out = g.new_zeros((rows, g.shape[1]))
+    out[first : first + g.shape[0]] = g
+    return out
