@@ -9,11 +9,12 @@ and varlen cross products, the offsets and ids read back as lists.
   per-pair blocks (a pair list) and padded block (a varlen batch), and scores equal with and without the argmax;
 * padding never leaks: NaN and inf in the rows that follow a short query or document (which the padded block reads:
   another sequence, or rows after the last one) change no score, argmax or gradient;
-* the varlen forward with the argmax (every document padded to the longest in one block) and without it (the
-  packed path), and the backward's links added row by row or as products with a dense matrix of their weights,
-  which falls back to the rows where a token in range is not finite;
+* the varlen forward with the argmax (every document padded to the longest in one block, or the packed path) and
+  without it (segments of the GEMM's columns; bitwise the scores with the argmax), and the backward's links added
+  row by row or as products with a dense matrix of their weights, which falls back to the rows where a token in
+  range is not finite;
 * what never takes this path: ids or offsets out of range, tensors off the CPU, problems above the bounds, a varlen
-  forward without the argmax or of long documents.
+  forward with the argmax of long documents.
 """
 
 from __future__ import annotations
@@ -132,6 +133,23 @@ def test_random_pair_list_scores_without_the_argmax(seed, product, monkeypatch, 
     p = cpu_small.plan(b.Q, b.D, Layout(b.cu_q, b.cu_d, b.pair_q, b.pair_d, case.width_q(), case.width_d()))
     assert p.cross == (product == "cross") or product == "auto"
     assert segments == ([1] if p.cross and p.lq and p.ld else []), "the cross product was not reduced as segments"
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_random_varlen_scores_without_the_argmax(seed, monkeypatch, taken):
+    """No gradient, no argmax: a varlen cross product's maxima as segments of the GEMM's columns; the scores are those
+    of the call with the argmax (the padded block), bitwise (the same GEMM, exact maxima, the same sums)."""
+    _varlen_forward(monkeypatch, "padded")
+    case = dataclasses.replace(_random_varlen(seed), return_argmax=False)
+    b = build(case, "cpu")
+    with maxsim.backend("torch"), torch.no_grad():
+        s = lib_call(case, b)
+        with_argmax, _ = lib_call(dataclasses.replace(case, return_argmax=True), b)
+    assert torch.equal(s, with_argmax), f"{s.tolist()} != {with_argmax.tolist()} (with the argmax)"
+    rs, _ = ref_call(case, b, b.Q.double(), b.D.double())
+    tol = {"fp32": 1e-5, "fp64": 1e-9}.get(case.dtype, 2e-2)  # (bf16 / fp16 inputs: rounded tokens, fp32 sums)
+    torch.testing.assert_close(s.double(), rs, rtol=tol, atol=tol * max(1.0, float(rs.abs().max())))
+    assert taken == [("forward", True), ("forward", True)], taken
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -316,8 +334,8 @@ def test_tensors_off_the_cpu_are_never_read():
 
 
 def test_bounds():
-    """Problems above the bounds (by the given maxima), varlen forwards without the argmax, and varlen forwards of
-    documents longer than :data:`maxsim.cpu_small.CROSS_FORWARD_MEAN_LD` on average take the general path."""
+    """Problems above the bounds (by the given maxima), and varlen forwards with the argmax of documents longer than
+    :data:`maxsim.cpu_small.CROSS_FORWARD_MEAN_LD` on average, take the general path."""
     Q, D = torch.randn(6, 8), torch.randn(7, 8)
     cu_q, cu_d = torch.tensor([0, 2, 6]), torch.tensor([0, 3, 7])
     pq, pd = torch.tensor([0, 1, 1]), torch.tensor([1, 0, 1])
@@ -327,13 +345,14 @@ def test_bounds():
     assert cpu_small.plan(Q, D, Layout(cu_q, cu_d, None, None, 4, 4)) is not None
     assert cpu_small.plan(Q, D, Layout(cu_q, cu_d, None, None, 4, cpu_small.MAX_CROSS_SIMS // 16 + 1)) is None
     varlen = Layout(cu_q, cu_d, None, None, 4, 4)
-    assert cpu_small.forward(Q, D, False, False, varlen) is None
+    assert cpu_small.forward(Q, D, False, False, varlen) is not None
     assert cpu_small.forward(Q, D, False, True, varlen) is not None
     D_long = torch.randn(2 * cpu_small.CROSS_FORWARD_MEAN_LD + 1, 8)
     cu_long = torch.tensor([0, cpu_small.CROSS_FORWARD_MEAN_LD, D_long.shape[0]])
     long = Layout(cu_q, cu_long, None, None, 4, D_long.shape[0])
     assert cpu_small.plan(Q, D_long, long) is not None
     assert cpu_small.forward(Q, D_long, False, True, long) is None
+    assert cpu_small.forward(Q, D_long, False, False, long) is not None  # (the scores alone: segments)
 
 
 @pytest.mark.parametrize("backward", BACKWARDS)

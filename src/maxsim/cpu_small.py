@@ -1,26 +1,30 @@
-"""A few-op PyTorch path for small ragged problems on the CPU: pair lists, and the backward of varlen cross products.
+"""A few-op PyTorch path for small ragged problems on the CPU: pair lists and varlen cross products.
 
 A small problem's time on the CPU is the number of PyTorch ops it runs (3-10 µs of host time each on this 2-core
-machine, once a call's other ops have taken the caches), not its arithmetic. The general path of :mod:`.cpu_ragged`
-checks offsets and ids with tensor reductions, regroups a pair list by query and classes lengths: 44 to 72 ops for
-the forward of 64 pairs (``--quick`` bench shapes), ~45 for its backward. Here the offsets and pair ids are read back
-once as Python lists (CPU tensors only: a copy of CPU memory, never a device sync) and checked in Python, and a pair
-list is one block ``[P, lq, ld]`` padded to the longest query ``lq`` and document ``ld``: 10 to 25 ops forward, ~20
-backward.
+machine, more once a training step's other ops have taken the caches), not its arithmetic. The general path of
+:mod:`.cpu_ragged` checks offsets and ids with tensor reductions, regroups a pair list by query and classes lengths:
+44 to 72 ops for the forward of 64 pairs (``--quick`` bench shapes), ~45 for its backward. Here the offsets and pair
+ids are read back once as Python lists (CPU tensors only: a copy of CPU memory, never a device sync) and checked in
+Python, and a pair list is one block ``[P, lq, ld]`` padded to the longest query ``lq`` and document ``ld``: 10 to 25
+ops forward, ~20 backward.
 
-* Similarities (:func:`_similarities`): where the cross product of every packed query token with every packed
-  document token holds no more similarities than the padded block (a pool of documents shared by the pairs), that
-  one GEMM (no copy of D), and each pair's ``[lq, ld]`` window of it; else each pair's query and document rows
-  gathered, and one batched GEMM.
-* Without the argmax, such a cross product is reduced as segments instead (:func:`_pair_scores_by_segments`: no
-  padded block at all). The scores are the same bitwise with or without the argmax (the same GEMM, exact maxima,
-  the same sums).
-* The padded block is masked as in :func:`maxsim.cpu.forward`: document tokens past the end ``-inf``, query tokens
+* Pair lists' similarities (:func:`_similarities`): where the cross product of every packed query token with every
+  packed document token holds no more similarities than the padded block (a pool of documents shared by the pairs),
+  that one GEMM (no copy of D), and each pair's ``[lq, ld]`` window of it; else each pair's query and document rows
+  gathered, and one batched GEMM. Without the argmax, such a cross product is reduced as segments instead
+  (:func:`_pair_scores_by_segments`: no padded block at all).
+* Varlen cross products: the GEMM of every packed token, each document's max as a segment of its columns without the
+  argmax (:func:`_cross_scores_by_segments`), with it each document's window padded to the longest document
+  (:func:`_cross_forward`, documents of up to :data:`CROSS_FORWARD_MEAN_LD` tokens on average; longer ones take the
+  packed path, :func:`maxsim.cpu_ragged._packed_cross`).
+* The scores are the same bitwise with or without the argmax (the same GEMM, exact maxima, the same sums).
+* The padded blocks are masked as in :func:`maxsim.cpu.forward`: document tokens past the end ``-inf``, query tokens
   past the end (and those of a pair whose document has no token) add 0 and choose -1; NaN among a pair's real tokens
   propagates; ties go to the lowest index (``torch.max``).
-* Backward (:func:`backward`, pair lists and varlen cross products): the chosen links, in link order, through
-  :func:`maxsim.cpu.add_links`. (A varlen forward keeps the packed path, :func:`maxsim.cpu_ragged._packed_cross`:
-  no padding, and its scores are the same bitwise with or without the argmax.)
+* Backward (:func:`backward`, pair lists and varlen cross products): the chosen links, either as two products with a
+  dense ``[rows_q, rows_d]`` matrix of their weights (few weights a link, :data:`PRODUCTS_PER_LINK`, and every token
+  of the scored rows finite: a product multiplies every token, and 0 · inf is NaN) or row by row, in link order,
+  through :func:`maxsim.cpu.add_links`.
 
 Anything else (another device, an offset, length or id out of range, which the checked path scores NaN, or a
 problem above the bounds below) returns None and takes the general path.
@@ -168,8 +172,6 @@ def forward(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: Ragged
     """As :func:`maxsim.cpu_ragged.forward`: for a pair list, scores ``[1, P]`` (fp32, fp64 for fp64 inputs) and, if
     asked, the argmax ``[1, P, max_q]`` int32 (else ``[0]``); for a varlen cross product, ``[Nq, Nd]`` and
     ``[Nq, Nd, max_q]``. None where this path does not apply (:func:`plan`)."""
-    if rg.pair_q is None and not need_argmax:
-        return None  # (the scores alone: the packed path's segment reductions, fewer ops)
     p = plan(Q, D, rg)
     if p is None:
         return None
@@ -178,6 +180,8 @@ def forward(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: Ragged
         scores = torch.zeros(grid, dtype=accum_dtype(Q.dtype))
         return scores, torch.full((*grid, rg.max_q) if need_argmax else (0,), -1, dtype=torch.int32)
     if rg.pair_q is None:
+        if not need_argmax:
+            return _cross_scores_by_segments(Q, D, normalize, rg, p), torch.empty((0,), dtype=torch.int32)
         if p.d_rows[1] - p.d_rows[0] > CROSS_FORWARD_MEAN_LD * grid[1]:
             return None
         return _cross_forward(Q, D, normalize, need_argmax, rg, p)
@@ -192,6 +196,22 @@ def forward(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: Ragged
             argmax = torch.nn.functional.pad(argmax, (0, rg.max_q - p.lq), value=-1)
         argmax = argmax.view(1, P, rg.max_q)
     return scores.view(1, P), argmax
+
+
+def _cross_scores_by_segments(Q: Tensor, D: Tensor, normalize: bool, rg: Ragged, p: _Plan) -> Tensor:
+    """The scores ``[Nq, Nd]`` of a varlen cross product without the argmax: the GEMM of every packed token (real
+    similarities only), each document's max as a segment of its columns, each query's sum as a segment of rows
+    (a document without tokens adds 0; a query without tokens scores 0)."""
+    acc = accum_dtype(Q.dtype)
+    (q0, q1), (d0, d1) = p.q_rows, p.d_rows
+    Qa, Da = cpu._as(Q[q0:q1], acc), cpu._as(D[d0:d1], acc)
+    if normalize:
+        Qa, Da = Qa * cpu._inv_norm(Qa)[:, None], Da * cpu._inv_norm(Da)[:, None]
+    d_len = rg.d_seg.diff()
+    best = torch.segment_reduce(Qa @ Da.T, "max", lengths=d_len.expand(q1 - q0, -1), axis=1, unsafe=True)
+    if p.d_empty:  # (-inf there)
+        best = torch.where(d_len > 0, best, 0.0)
+    return torch.segment_reduce(best, "sum", lengths=rg.q_seg.diff(), axis=0, unsafe=True)
 
 
 def _cross_forward(
