@@ -89,8 +89,9 @@ def forward_impl(
     :func:`backward_impl`, or None: the Triton path's tokens' inverse norms of ``normalize=True``; with ``step`` (a
     caller that keeps it for the backward: the eager autograd Function), the PyTorch path's
     :func:`maxsim.cpu.forward_for_step` state, whose argmax is then int64 in the PyTorch path's own order rather
-    than :func:`maxsim.layout.argmax_dtype`. ``views``: ``Q`` and ``D`` are the caller's tensors, to be viewed
-    canonically, and the results come in the caller's shape (``views.out``)."""
+    than :func:`maxsim.layout.argmax_dtype` (a ragged layout's: int32, as its paths compute it). ``views``: ``Q``
+    and ``D`` are the caller's tensors, to be viewed canonically, and the results come in the caller's shape
+    (``views.out``)."""
     if impl == "triton":
         return _triton_path().forward_keeping_norms(Q, D, q_mask, d_mask, normalize, need_argmax, rg, views=views)
     if views is not None:
@@ -102,7 +103,9 @@ def forward_impl(
         return scores, argmax, (sims_sum,)
     if rg is not None:
         scores, argmax = cpu_ragged.forward(Q, D, normalize, need_argmax, rg)
-        if need_argmax:  # (the ragged paths compute it as int32; saved like the Triton path's)
+        # The ragged paths compute it as int32, which is also what their backward indexes with: a step (the eager
+        # autograd Function) keeps it so; the registered op returns argmax_dtype as its fake does.
+        if need_argmax and not step:
             argmax = argmax.to(argmax_dtype(dims(Q, D, rg)[4]))
     else:
         index_dtype = argmax_dtype(D.shape[2]) if need_argmax else torch.int32
@@ -147,7 +150,7 @@ def _torch_backward(
     if kept is not None:  # (forward_for_step's state)
         return cpu.backward_for_step(grad, Q, D, argmax, normalize, *kept)
     if rg is not None:
-        argmax = argmax.to(torch.int32)  # (what the ragged paths index with; saved as argmax_dtype)
+        argmax = argmax.to(torch.int32)  # (what the ragged paths index with; a no-op after a step's forward)
         return cpu_ragged.backward(grad, Q, D, argmax, normalize, deterministic, rg)
     return cpu.backward(grad, Q, D, argmax, normalize, deterministic)
 
