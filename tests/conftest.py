@@ -37,8 +37,10 @@ def device() -> str:
 
 @pytest.fixture(autouse=True)
 def _seed_and_restore_backend():
-    """Every test starts from a fixed global seed and the default backend, whatever the previous test did."""
+    """Every test starts from a fixed global seed, the default backend and no repeated CPU call kept, whatever the
+    previous test did (a test that patches the CPU path's functions sees its first call take them)."""
     torch.manual_seed(0)
+    maxsim.ops._cpu_repeats.clear()
     before = maxsim.get_backend()
     yield
     maxsim.set_backend(before)

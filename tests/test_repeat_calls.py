@@ -125,3 +125,135 @@ def test_repeat_entries_go_with_the_plans(triton_only, plan_keys, device):
     n = len(plan_keys)
     maxsim.maxsim(Q, D)
     assert len(plan_keys) == n + 2
+
+
+# ---- the CPU: the PyTorch path's one-block forward, its decisions taken once ----------------------------------------
+
+
+@pytest.fixture
+def full_path(monkeypatch):
+    """Counts the calls that take the full path (a repeat skips the checks)."""
+    from maxsim import validate
+
+    return spy(monkeypatch, validate, "call")
+
+
+def _cpu_inputs(shape: str, dtype=torch.float32, seed=1, nq=3, lq=5, ld=9, dim=16):
+    Q, D = _inputs("cpu", nq=nq, lq=lq, ld=ld, dim=dim, dtype=dtype, seed=seed)
+    if shape == "candidates":
+        D = torch.stack([D.roll(i, 0) for i in range(nq)])  # [Nq, K = 4, Ld, dim]
+    Q = Q[0] if shape in ("one query", "one of each") else Q
+    D = D[1] if shape in ("one document", "one of each") else D
+    return Q, D
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize(
+    "sizes",
+    [dict(), dict(nq=4, lq=8, ld=40, dim=64), dict(lq=8, ld=120, dim=64), dict(nq=2, lq=24, ld=40, dim=64)],
+    ids=["small", "4x8", "3x8", "2x24"],
+)
+@pytest.mark.parametrize("shape", ["cross", "candidates", "one query", "one document", "one of each"])
+def test_cpu_repeats_score_as_the_full_path(shape, sizes, dtype, full_path):
+    """A repeated signature skips the full path and scores bit for bit as it (and, on integer data, as the
+    reference), in the caller's shape, through each of :func:`maxsim.cpu.plain_scores`'s functions (which sizes
+    take which: ``test_cpu_plain_scores_decisions``)."""
+    Q, D = _cpu_inputs(shape, dtype, **sizes)
+    with torch.no_grad():
+        first = maxsim.maxsim(Q, D)
+        assert len(full_path) == 1
+        Q2, D2 = _cpu_inputs(shape, dtype, seed=5, **sizes)  # (other values, the same signature)
+        again = maxsim.maxsim(Q2, D2)
+        assert len(full_path) == 1, "the repeat took the full path"
+        ops._cpu_repeats.clear()
+        full = maxsim.maxsim(Q2, D2)
+        assert len(full_path) == 2
+    assert again.shape == full.shape and again.dtype == full.dtype and again.is_contiguous()
+    assert torch.equal(again, full)
+    # (integer tokens: exact in fp32 sums; the reference in float64, as bf16 sums would round)
+    torch.testing.assert_close(first.double(), maxsim_reference(Q.double(), D.double()), rtol=0, atol=0)
+    torch.testing.assert_close(again.double(), maxsim_reference(Q2.double(), D2.double()), rtol=0, atol=0)
+
+
+def test_cpu_repeats_propagate_nan():
+    Q, D = _cpu_inputs("cross")
+    with torch.no_grad():
+        maxsim.maxsim(Q, D)
+        D2 = D.clone()
+        D2[1, 3, 0] = float("nan")
+        D2[2, 0, :] = float("-inf")
+        again = maxsim.maxsim(Q, D2)
+        ops._cpu_repeats.clear()
+        full = maxsim.maxsim(Q, D2)
+    assert torch.equal(again.isnan(), full.isnan()) and torch.equal(again.nan_to_num(), full.nan_to_num())
+    assert bool(again[:, 1].isnan().all()) and not bool(again[:, 0].isnan().any())
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["shape", "strides", "dtype", "normalize", "masks", "argmax", "grad", "squeezed", "settings", "blocks"],
+)
+def test_cpu_anything_the_plan_depends_on_takes_the_full_path(change, full_path, monkeypatch):
+    from maxsim import cpu
+
+    Q, D = _cpu_inputs("cross")
+    kw: dict = {}
+    if change == "blocks":  # (a problem of several blocks is never kept)
+        monkeypatch.setattr(cpu, "BLOCK_BYTES", 4 * 9 * (5 + 16) * 4)
+    with torch.no_grad():
+        maxsim.maxsim(Q, D)
+    if change == "shape":
+        Q, D = _cpu_inputs("cross", ld=10)
+    elif change == "strides":
+        D = torch.cat([D, D]).clone()[::2]
+    elif change == "dtype":
+        Q, D = Q.double(), D.double()
+    elif change == "normalize":
+        kw["normalize"] = True
+    elif change == "masks":
+        kw["d_mask"] = torch.ones(D.shape[:-1], dtype=torch.bool)
+    elif change == "argmax":
+        kw["return_argmax"] = True
+    elif change == "grad":
+        Q = Q.clone().requires_grad_()
+    elif change == "squeezed":
+        Q = Q[0]
+    elif change == "settings":
+        monkeypatch.setattr(cpu, "DOCUMENTS_FIRST_MIN_SIMS", 0)
+    for _ in range(2):
+        with torch.no_grad() if change != "grad" else torch.enable_grad():
+            out = maxsim.maxsim(Q, D, **kw)
+    repeats = 1 if change in ("normalize", "masks", "argmax", "grad", "blocks") else 0  # (never kept: both full)
+    assert len(full_path) == 2 + repeats, f"{change}: {len(full_path)} full-path calls"
+    want = maxsim_reference(Q.detach(), D, normalize=kw.get("normalize", False)).float()
+    scores = out[0] if change == "argmax" else out
+    tol = 1e-6 if change == "normalize" else 0
+    torch.testing.assert_close(scores.detach().to(want.dtype), want, rtol=tol, atol=tol)
+
+
+def test_cpu_repeats_are_bounded(monkeypatch):
+    monkeypatch.setattr(ops, "CPU_REPEATS_MAX", 2)
+    with torch.no_grad():
+        for ld in (7, 8, 9):
+            maxsim.maxsim(*_cpu_inputs("cross", ld=ld))
+    assert len(ops._cpu_repeats) == 1  # (the third signature found the store full and started it over)
+
+
+@pytest.mark.parametrize(
+    "sizes, name",
+    [((3, 5, 16, 1, 4, 9), "queries_first"), ((4, 8, 64, 1, 4, 40), "documents_first_shared"),
+     ((3, 8, 64, 1, 4, 120), "documents_first"), ((2, 24, 64, 2, 4, 40), "documents_first"),
+     ((2, 32, 64, 2, 4, 40), "documents_first"), ((2, 8, 64, 2, 4, 40), "queries_first")],
+)  # fmt: skip
+def test_cpu_plain_scores_decisions(sizes, name):
+    """Which function :func:`maxsim.cpu.plain_scores` picks (q, Lq, dim, b, k, Ld): documents first for 32 query rows
+    a GEMM (shared documents: without padding or a slice), padded from 23 at 64 dims, else queries first; each scores
+    as the reference."""
+    from maxsim import cpu
+
+    q, Lq, dim, b, k, Ld = sizes
+    fn = cpu.plain_scores(q, Lq, dim, b, k, Ld, torch.float32, torch.float32)
+    assert fn.__name__ == name
+    Q = int_grid((q, Lq, dim), seed=3)
+    D = int_grid((b, k, Ld, dim), seed=4)
+    torch.testing.assert_close(fn(Q, D), maxsim_reference(Q, D if b > 1 else D[0]), rtol=0, atol=0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -84,7 +85,7 @@ def _blocks(Nq: int, K: int, Lq: int, Ld: int, dim: int, itemsize: int, shared: 
     return nq, nk
 
 
-def _one_block(Q: Tensor, D: Tensor) -> bool:
+def one_block(Q: Tensor, D: Tensor) -> bool:
     """Whether the whole problem is one block of :func:`_blocks` (its similarities and upcast documents within
     :data:`BLOCK_BYTES`), checked without its arithmetic (tiny calls feel it)."""
     Nq, Lq, dim = Q.shape
@@ -119,7 +120,7 @@ def _forward(
         scores = torch.zeros((Nq, K), dtype=acc, device=Q.device)
         argmax = torch.full((Nq, K, Lq), -1, dtype=index_dtype, device=Q.device) if need_argmax else None
         return scores, argmax, scores.new_zeros(()) if sum_sims else None
-    if _one_block(Q, D):
+    if one_block(Q, D):
         return _forward_block(Q, D, q_mask, d_mask, normalize, need_argmax, acc, index_dtype, sum_sims)
     nq, nk = _blocks(Nq, K, Lq, Ld, dim, 8 if acc == torch.float64 else 4, Bd == 1)
     scores = torch.empty((Nq, K), dtype=acc, device=Q.device)
@@ -161,6 +162,8 @@ def _forward_block(
     copy) and, with ``sum_sims``, the sum of the unmasked similarities (a 0-dim tensor, not read here)."""
     q, Lq, dim = Q.shape
     b, k, Ld, _ = D.shape
+    if not (normalize or need_argmax or sum_sims) and q_mask is None and d_mask is None:
+        return plain_scores(q, Lq, dim, b, k, Ld, acc, Q.dtype)(Q, D), None, None
     qb, db = _as(Q, acc), _as(D, acc)
     # normalize: the documents' inverse norms scale either D (a copy) or the similarity block, whichever is smaller
     # (each document token meets Lq query rows per query that scores it; a candidate's D is the larger one)
@@ -187,6 +190,56 @@ def _forward_block(
     else:
         best, arg = sim.amax(dim=-1), None  # NaN propagates
     return _block_scores(best, arg, q_mask, d_mask, need_argmax, index_dtype, total)
+
+
+def plain_settings() -> tuple:
+    """What :func:`plain_scores`'s decisions read besides the sizes (a repeated call's signature holds it)."""
+    return (BLOCK_BYTES, DOCUMENTS_FIRST_WIDTH, DOCUMENTS_FIRST_MIN_ROWS, DOCUMENTS_FIRST_MIN_DIM,
+            DOCUMENTS_FIRST_MIN_SIMS)  # fmt: skip
+
+
+def plain_scores(
+    q: int, Lq: int, dim: int, b: int, k: int, Ld: int, acc: torch.dtype, dtype: torch.dtype
+) -> Callable[[Tensor, Tensor], Tensor]:
+    """The scores ``[q, k]`` (in ``acc``) of a block without masks, normalization or argmax, ``Q [q, Lq, dim]``
+    against ``D [b, k, Ld, dim]`` in ``dtype`` (``b`` = 1: shared documents, else ``q``: each query's own), as a
+    function of the two: every decision of :func:`_forward_block` for these sizes taken here, once. The function
+    reads its arguments through reshapes only, so it takes any tensors holding those elements in that order (a 2-D
+    ``Q`` or ``D``, or a 3-D ``D`` of shared documents, as the caller gave them): a repeated call of one signature
+    runs its ops and nothing else (:func:`maxsim.ops.repeat_key`; each op here costs 1-4 µs of host time). NaN
+    propagates through the row max; the scores sum in ``acc`` and come back contiguous."""
+    rows = q * Lq if b == 1 else Lq
+    cast = (lambda x: x.to(acc)) if dtype != acc else (lambda x: x)
+    if not _documents_first(rows, dim, q * Lq * k * Ld, False):
+
+        def queries_first(Q: Tensor, D: Tensor) -> Tensor:
+            if b == 1:
+                sim = cast(Q).reshape(q * Lq, dim) @ cast(D).reshape(k * Ld, dim).T
+            else:
+                sim = torch.bmm(cast(Q).reshape(q, Lq, dim), cast(D).reshape(q, k * Ld, dim).transpose(1, 2))
+            return sim.view(q, Lq, k, Ld).amax(dim=-1).sum(dim=1)
+
+        return queries_first
+    width = DOCUMENTS_FIRST_WIDTH
+    if b == 1 and rows == width:  # (the common shape: no padding, no slice)
+
+        def documents_first_shared(Q: Tensor, D: Tensor) -> Tensor:
+            sim = torch.bmm(cast(D).reshape(1, k * Ld, dim), cast(Q).reshape(1, rows, dim).transpose(1, 2))
+            return sim.view(k, Ld, rows).amax(dim=1).view(k, q, Lq).permute(1, 2, 0).sum(dim=1)
+
+        return documents_first_shared
+    pad = (0, 0, 0, width - rows)
+
+    def documents_first(Q: Tensor, D: Tensor) -> Tensor:
+        qm = cast(Q).reshape(b, rows, dim)
+        if rows < width:
+            qm = torch.nn.functional.pad(qm, pad)
+        sim = torch.bmm(cast(D).reshape(b, k * Ld, dim), qm.transpose(1, 2)).view(b, k, Ld, width)
+        best = sim.amax(dim=2)  # [b, k, width]; its real columns as [q, Lq, k]:
+        best = best[..., :rows].reshape(k, q, Lq).permute(1, 2, 0) if b == 1 else best[..., :Lq].transpose(1, 2)
+        return best.sum(dim=1)
+
+    return documents_first
 
 
 def _block_scores(
@@ -302,7 +355,7 @@ def forward_for_step(Q: Tensor, D: Tensor, normalize: bool, index_dtype: torch.d
     ``index_dtype``. The sum is finite exactly when every token is (each token meets every token of the other side in
     a similarity; an overflow only errs on the safe side; with ``normalize``, of the normalized tokens), so
     :func:`backward_for_step` reads it instead of summing the tokens again."""
-    return _forward(Q, D, None, None, normalize, True, torch.int64 if _one_block(Q, D) else index_dtype, True)
+    return _forward(Q, D, None, None, normalize, True, torch.int64 if one_block(Q, D) else index_dtype, True)
 
 
 def backward_for_step(

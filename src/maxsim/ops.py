@@ -36,33 +36,54 @@ def _triton_path():
 # A mask-free scores-only call of maxsim.maxsim whose signature (shapes, strides, dtypes, devices, options, backend)
 # an earlier call had, and which then ran a kept launch plan, was well-formed then and is now: it goes straight to
 # the plan's allocations and launch, without the checks, the layout and the layers between (host time of a tiny
-# forward: see docs/performance.md v68).
+# forward: see docs/performance.md v68). On the CPU the same holds for the PyTorch path's one-block forward without
+# normalize: the repeat runs :func:`maxsim.cpu.plain_scores`'s ops, its decisions (and the settings they read, part
+# of the signature) taken by the first call (v112).
+
+CPU_REPEATS_MAX = 256
+"""Signatures of CPU calls kept for repeats; past this many, the store starts over."""
+
+_cpu_repeats: dict[tuple, object] = {}
 
 
 def repeat_key(Q: object, D: object, normalize: object, backward: object) -> tuple | None:
     """The signature of a call with these arguments for :func:`run_repeat` and :func:`keep_repeat`; None where the
-    call must take the full path (arguments that are not tensors and options, a graph to record, a compilation)."""
-    if _launch is None:  # (nothing can have been filed before a first Triton call)
-        return None
+    call must take the full path (arguments that are not tensors and options, a graph to record, a compilation,
+    a CPU call with ``normalize``)."""
     if not (isinstance(Q, Tensor) and isinstance(D, Tensor) and type(normalize) is bool and type(backward) is str):
+        return None
+    on_cpu = Q.device.type == "cpu"
+    if (on_cpu and normalize) or (_launch is None and not on_cpu):  # (no Triton call yet: nothing filed for it)
         return None
     if (torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)) or torch.compiler.is_compiling():
         return None
     f32 = torch.get_float32_matmul_precision() if Q.dtype is torch.float32 else None
     return ("repeat", Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype, Q.device, D.device, normalize,
-            backward, get_backend(), f32)  # fmt: skip
+            backward, get_backend(), f32, cpu.plain_settings() if on_cpu else None)  # fmt: skip
 
 
 def run_repeat(key: tuple, Q: Tensor, D: Tensor) -> Tensor | None:
     """The scores of a repeated call (see above), or None if no earlier call filed its signature."""
-    return _launch.run_repeat(key, Q, D)
+    run = _cpu_repeats.get(key)
+    if run is not None:
+        return run(Q, D)
+    return None if _launch is None else _launch.run_repeat(key, Q, D)
 
 
 def keep_repeat(key: tuple, Q: Tensor, D: Tensor, normalize: bool, views: Views) -> None:
     """After the full path of a call with signature ``key`` (:func:`repeat_key`): file its launch plan, if the
-    Triton path ran and kept one."""
+    Triton path ran and kept one, or the PyTorch path's one-block forward (:func:`maxsim.cpu.plain_scores`)."""
     if choose_impl(Q) == "triton":
         _launch.keep_repeat(key, Q, D, normalize, views)
+        return
+    Qc, Dc = _in_views(Q, D, views)
+    if Q.device.type != "cpu" or normalize or Qc.numel() == 0 or Dc.numel() == 0 or not cpu.one_block(Qc, Dc):
+        return
+    scores = cpu.plain_scores(*Qc.shape, *Dc.shape[:3], accum_dtype(Q.dtype), Q.dtype)
+    out = views.out
+    if len(_cpu_repeats) >= CPU_REPEATS_MAX:
+        _cpu_repeats.clear()
+    _cpu_repeats[key] = scores if out is None else (lambda Q, D: scores(Q, D).view(out))
 
 
 def ragged(
