@@ -93,6 +93,7 @@ PATCHES = {
     "cpu.PROJECT_BLOCK_BYTES": (8, 64), "cpu.DOCUMENTS_FIRST_WIDTH": (4, 8), "cpu.DOCUMENTS_FIRST_MIN_ROWS": (1, 3),
     "cpu.DOCUMENTS_FIRST_MIN_DIM": (1,), "cpu_small.MAX_PAIR_SIMS": (-1, 64), "cpu_small.MAX_CROSS_SIMS": (-1, 64),
     "cpu_small.MAX_VALUES": (-1, 4), "cpu_small._cross_product_pays": (True, False),
+    "cpu_small.CROSS_FORWARD_MEAN_LD": (-1, 1 << 30), "cpu_small._products_pay": (True, False),
     "cpu_by_document.MAX_VALUES": (-1,), "cpu_by_document.BLOCK_BYTES": (1, 256),
     "cpu_ragged.PACKED_ARGMAX_MAX_SIMS": (0, 50), "cpu_ragged.BY_LENGTH_MIN_WORK": (0, 100),
     "cpu_ragged.PAIR_BLOCK_BYTES": (16, 256), "cpu_ragged.LINK_BLOCK_BYTES": (8, 256),
