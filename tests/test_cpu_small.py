@@ -111,6 +111,20 @@ def test_random_varlen_batches_match_the_reference(seed, forward, backward, monk
     assert taken == [("forward", forward == "padded" or no_token), ("backward", True)], taken
 
 
+def _check_scores_without_the_argmax(case: Ragged):
+    """The scores of ``case`` (called without the argmax) are those of the call with it, bitwise, and the float64
+    reference's within the inputs' precision. Returns the built inputs."""
+    b = build(case, "cpu")
+    with maxsim.backend("torch"), torch.no_grad():
+        s = lib_call(case, b)
+        with_argmax, _ = lib_call(dataclasses.replace(case, return_argmax=True), b)
+    assert torch.equal(s, with_argmax), f"{s.tolist()} != {with_argmax.tolist()} (with the argmax)"
+    rs, _ = ref_call(case, b, b.Q.double(), b.D.double())
+    tol = {"fp32": 1e-5, "fp64": 1e-9}.get(case.dtype, 2e-2)  # (bf16 / fp16 inputs: rounded tokens, fp32 sums)
+    torch.testing.assert_close(s.double(), rs, rtol=tol, atol=tol * max(1.0, float(rs.abs().max())))
+    return b
+
+
 @pytest.mark.parametrize("product", PRODUCTS)
 @pytest.mark.parametrize("seed", range(24))
 def test_random_pair_list_scores_without_the_argmax(seed, product, monkeypatch, taken):
@@ -121,14 +135,7 @@ def test_random_pair_list_scores_without_the_argmax(seed, product, monkeypatch, 
     real = cpu_small._pair_scores_by_segments
     monkeypatch.setattr(cpu_small, "_pair_scores_by_segments", lambda *args: segments.append(1) or real(*args))
     case = dataclasses.replace(_random_case(seed), return_argmax=False)
-    b = build(case, "cpu")
-    with maxsim.backend("torch"), torch.no_grad():
-        s = lib_call(case, b)
-        with_argmax, _ = lib_call(dataclasses.replace(case, return_argmax=True), b)
-    assert torch.equal(s, with_argmax), f"{s.tolist()} != {with_argmax.tolist()} (with the argmax)"
-    rs, _ = ref_call(case, b, b.Q.double(), b.D.double())
-    tol = {"fp32": 1e-5, "fp64": 1e-9}.get(case.dtype, 2e-2)  # (bf16 / fp16 inputs: rounded tokens, fp32 sums)
-    torch.testing.assert_close(s.double(), rs, rtol=tol, atol=tol * max(1.0, float(rs.abs().max())))
+    b = _check_scores_without_the_argmax(case)
     assert taken == [("forward", True), ("forward", True)], taken
     p = cpu_small.plan(b.Q, b.D, Layout(b.cu_q, b.cu_d, b.pair_q, b.pair_d, case.width_q(), case.width_d()))
     assert p.cross == (product == "cross") or product == "auto"
@@ -140,15 +147,7 @@ def test_random_varlen_scores_without_the_argmax(seed, monkeypatch, taken):
     """No gradient, no argmax: a varlen cross product's maxima as segments of the GEMM's columns; the scores are those
     of the call with the argmax (the padded block), bitwise (the same GEMM, exact maxima, the same sums)."""
     _varlen_forward(monkeypatch, "padded")
-    case = dataclasses.replace(_random_varlen(seed), return_argmax=False)
-    b = build(case, "cpu")
-    with maxsim.backend("torch"), torch.no_grad():
-        s = lib_call(case, b)
-        with_argmax, _ = lib_call(dataclasses.replace(case, return_argmax=True), b)
-    assert torch.equal(s, with_argmax), f"{s.tolist()} != {with_argmax.tolist()} (with the argmax)"
-    rs, _ = ref_call(case, b, b.Q.double(), b.D.double())
-    tol = {"fp32": 1e-5, "fp64": 1e-9}.get(case.dtype, 2e-2)  # (bf16 / fp16 inputs: rounded tokens, fp32 sums)
-    torch.testing.assert_close(s.double(), rs, rtol=tol, atol=tol * max(1.0, float(rs.abs().max())))
+    _check_scores_without_the_argmax(dataclasses.replace(_random_varlen(seed), return_argmax=False))
     assert taken == [("forward", True), ("forward", True)], taken
 
 

@@ -65,6 +65,23 @@ def test_repeats_of_every_dense_shape_score_as_the_reference(shape, triton_only,
     assert len(plan_keys) == 2  # (the first call's lookup and filing; the second call is a repeat)
 
 
+def _changed_call(change: str, Q: torch.Tensor, D: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """``Q`` and the keyword arguments of a call that differs from a plain one by ``change`` (the changes that are
+    options, a gradient or a squeezed axis; others leave both as they are)."""
+    kw: dict = {}
+    if change == "normalize":
+        kw["normalize"] = True
+    elif change == "masks":
+        kw["d_mask"] = torch.ones(D.shape[:-1], dtype=torch.bool, device=D.device)
+    elif change == "argmax":
+        kw["return_argmax"] = True
+    elif change == "grad":
+        Q = Q.clone().requires_grad_()
+    elif change == "squeezed":
+        Q = Q[0]
+    return Q, kw
+
+
 @pytest.mark.parametrize(
     "change",
     ["shape", "strides", "dtype", "normalize", "backend", "masks", "argmax", "grad", "squeezed"],
@@ -73,23 +90,13 @@ def test_anything_the_plan_depends_on_takes_the_full_path(change, triton_only, p
     Q, D = _inputs(device)
     maxsim.maxsim(Q, D)
     n = len(plan_keys)
-    kw: dict = {}
     if change == "shape":
         Q, D = _inputs(device, nd=5)
     elif change == "strides":
         D = _inputs(device, nd=8)[1][::2]
     elif change == "dtype":
         Q, D = _inputs(device, dtype=torch.float32)
-    elif change == "normalize":
-        kw["normalize"] = True
-    elif change == "masks":
-        kw["d_mask"] = torch.ones(D.shape[:-1], dtype=torch.bool, device=device)
-    elif change == "argmax":
-        kw["return_argmax"] = True
-    elif change == "grad":
-        Q = Q.clone().requires_grad_()
-    elif change == "squeezed":
-        Q = Q[0]
+    Q, kw = _changed_call(change, Q, D)
     if change == "backend":
         with maxsim.backend("torch"):
             out = maxsim.maxsim(Q, D)
@@ -197,7 +204,6 @@ def test_cpu_anything_the_plan_depends_on_takes_the_full_path(change, full_path,
     from maxsim import cpu
 
     Q, D = _cpu_inputs("cross")
-    kw: dict = {}
     if change == "blocks":  # (a problem of several blocks is never kept)
         monkeypatch.setattr(cpu, "BLOCK_BYTES", 4 * 9 * (5 + 16) * 4)
     with torch.no_grad():
@@ -208,18 +214,9 @@ def test_cpu_anything_the_plan_depends_on_takes_the_full_path(change, full_path,
         D = torch.cat([D, D]).clone()[::2]
     elif change == "dtype":
         Q, D = Q.double(), D.double()
-    elif change == "normalize":
-        kw["normalize"] = True
-    elif change == "masks":
-        kw["d_mask"] = torch.ones(D.shape[:-1], dtype=torch.bool)
-    elif change == "argmax":
-        kw["return_argmax"] = True
-    elif change == "grad":
-        Q = Q.clone().requires_grad_()
-    elif change == "squeezed":
-        Q = Q[0]
     elif change == "settings":
         monkeypatch.setattr(cpu, "DOCUMENTS_FIRST_MIN_SIMS", 0)
+    Q, kw = _changed_call(change, Q, D)
     for _ in range(2):
         with torch.no_grad() if change != "grad" else torch.enable_grad():
             out = maxsim.maxsim(Q, D, **kw)
