@@ -13,6 +13,9 @@ and varlen cross products, the offsets and ids read back as lists.
   without it (segments of the GEMM's columns; bitwise the scores with the argmax), and the backward's links added
   row by row or as products with a dense matrix of their weights, which falls back to the rows where a token in
   range is not finite;
+* a varlen training step without the argmax returned, whose forward keeps its choices for the backward: bitwise the
+  step with the argmax (random batches, sequences past the first row, a token that is not finite, a second
+  backward), and never taken where the caller reads the argmax;
 * what never takes this path: ids or offsets out of range, tensors off the CPU, problems above the bounds, a varlen
   forward with the argmax of long documents.
 """
@@ -286,6 +289,106 @@ def test_products_fall_back_to_the_rows_for_a_token_that_is_not_finite(fn, monke
     if fn == "pairs":
         assert bool(torch.isfinite(dQ[:3]).all()), "query 0, which meets only document 0, got a NaN gradient"
     assert not bool(torch.isfinite(dQ[3:]).all()), "query 1 chose the NaN token: its gradient should hold NaN"
+
+
+# ----------------------------------------------------------------------------------------------------
+# a varlen training step whose caller does not read the argmax: the choices kept between its two passes
+
+
+def _steps(case: Ragged, b, Q: torch.Tensor, D: torch.Tensor, monkeypatch) -> tuple[list, list]:
+    """The training step of ``case`` on tokens ``Q``, ``D`` without the argmax returned (the kept choices, where
+    :func:`cpu_small.cross_forward_for_step` takes it) and with it (the argmax grid and its links): for each,
+    ``(scores, dQ, dD)`` under integer upstream weights. Also whether the kept path took each call."""
+    kept = spy(monkeypatch, cpu_small, "cross_forward_for_step", lambda args, out: out is not None)
+    results = []
+    for return_argmax in (False, True):
+        Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+        with maxsim.backend("torch"):
+            out = lib_call(dataclasses.replace(case, return_argmax=return_argmax), b, Qg, Dg)
+        s = out[0] if return_argmax else out
+        weights = (torch.arange(s.numel(), dtype=s.dtype) % 5 - 2).view(s.shape)
+        results.append((s.detach(), *torch.autograd.grad(s, (Qg, Dg), weights)))
+    return results, kept
+
+
+def _same(name: str, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Equal bitwise, NaN where the other has NaN."""
+    same = x.dtype == y.dtype and torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(), y.nan_to_num())
+    assert same, f"{name}: {x.tolist()} != {y.tolist()}"
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_varlen_steps_keep_their_choices(seed, monkeypatch):
+    """Random varlen batches (every dtype, ``normalize``, integer tokens with ties in some), trained without the
+    argmax returned: the forward keeps each packed query row's choices and the backward puts their weights straight
+    into the products' matrix. Scores and gradients are those of the same step with the argmax returned, bitwise,
+    and the float64 reference's; a batch with an empty document keeps nothing (the general forward)."""
+    case = dataclasses.replace(_random_varlen(seed), exact=seed % 3 == 0)
+    if seed % 4:  # (an empty document in the rest, some of them)
+        case = dataclasses.replace(case, d_lens=tuple(max(1, n) for n in case.d_lens))
+    b = build(case, "cpu")
+    (step, full), kept = _steps(case, b, b.Q, b.D, monkeypatch)
+    for name, x, y in zip(("scores", "dQ", "dD"), step, full, strict=True):
+        _same(name, x, y)
+    expected = min(case.d_lens) > 0 and max(case.q_lens) > 0
+    assert kept == [expected], (kept, case)
+    with maxsim.backend("torch"):
+        check_ragged(dataclasses.replace(case, return_argmax=False), "cpu", any_ties=True)
+
+
+def test_varlen_steps_keep_their_choices_past_the_first_row(monkeypatch):
+    """Sequences that start past the first packed row (NaN rows before them): the kept choices count columns from
+    the first document's row and weights from the first query's. Bitwise the step with the argmax; zero gradients
+    on the rows before."""
+    case = Ragged((3, 0, 5), (4, 2, 1, 6), dim=8, exact=True, max_seqlen="bound")
+    b = build(case, "cpu")
+    nan = torch.full((3, 8), float("nan"))
+    shifted = dataclasses.replace(b, cu_q=b.cu_q + 3, cu_d=b.cu_d + 3)
+    (step, full), kept = _steps(case, shifted, torch.cat([nan, b.Q]), torch.cat([nan, b.D]), monkeypatch)
+    (unshifted, _), _ = _steps(case, b, b.Q, b.D, monkeypatch)
+    for name, x, y, z in zip(("scores", "dQ", "dD"), step, full, unshifted, strict=True):
+        _same(name, x, y)
+        _same(name, x if name == "scores" else x[3:], z)
+    assert not bool(step[1][:3].any()) and not bool(step[2][:3].any())
+    assert kept[:1] == [True], kept
+
+
+def test_varlen_steps_fall_back_to_the_links_for_a_token_that_is_not_finite(monkeypatch):
+    """A scored token holding -inf (never chosen) or NaN (chosen): the kept sum of the similarities is not finite,
+    so the backward adds the links row by row (a product would multiply the -inf by 0: NaN in every row). Bitwise
+    the step with the argmax, NaN only in the gradient of the query that chose the NaN token."""
+    case = Ragged((3, 4), (5, 3), dim=8, exact=True, max_seqlen="bound")
+    b = build(case, "cpu")
+    Q, D = b.Q.abs() + 1, b.D.clone()  # (positive query tokens: a -inf component makes a similarity -inf)
+    D[1, 0] = float("-inf")
+    D[6, 3] = float("nan")
+    (step, full), kept = _steps(case, b, Q, D, monkeypatch)
+    for name, x, y in zip(("scores", "dQ", "dD"), step, full, strict=True):
+        _same(name, x, y)
+    assert kept == [True], kept
+    assert bool(torch.isfinite(step[2][:5]).all()), f"document 0's gradient: {step[2][:5].tolist()}"
+    assert not bool(torch.isfinite(step[1]).all()), "the query that chose the NaN token should have NaN in dQ"
+
+
+def test_a_kept_step_backward_runs_twice(monkeypatch):
+    """``retain_graph=True``: a second backward through the same kept choices gives the same gradients."""
+    kept = spy(monkeypatch, cpu_small, "cross_forward_for_step", lambda args, out: out is not None)
+    case = Ragged((3, 5), (4, 2, 7), dim=8)
+    b = build(case, "cpu")
+    Q, D = b.Q.clone().requires_grad_(), b.D.clone().requires_grad_()
+    with maxsim.backend("torch"):
+        s = maxsim.maxsim_varlen(Q, D, b.cu_q, b.cu_d, max_seqlen_q=5, max_seqlen_d=7)
+    first = torch.autograd.grad(s.sum(), (Q, D), retain_graph=True)
+    second = torch.autograd.grad(s.sum(), (Q, D))
+    assert kept == [True] and all(torch.equal(x, y) for x, y in zip(first, second, strict=True))
+
+
+def test_a_returned_argmax_is_never_kept_in_its_place(monkeypatch):
+    """A step whose caller reads the argmax takes the general forward: the argmax comes back in its layout."""
+    kept = spy(monkeypatch, cpu_small, "cross_forward_for_step", lambda args, out: out is not None)
+    with maxsim.backend("torch"):
+        s, arg, _, _ = check_ragged(Ragged((3, 5), (4, 2, 7), dim=8), "cpu")
+    assert kept == [] and arg.shape == (2, 3, 5)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import cpu, cpu_ragged
+from . import cpu, cpu_ragged, cpu_small
 from .backend import choose_impl, get_backend
 from .layout import Ragged, Views, accum_dtype, argmax_dtype, dims, view_as_canonical, view_as_given
 
@@ -105,14 +105,16 @@ def forward_impl(
     rg: Ragged | None = None,
     views: Views | None = None,
     step: bool = False,
-) -> tuple[Tensor, Tensor | None, tuple[Tensor, ...] | None]:
+    argmax_read: bool = True,
+) -> tuple[Tensor, Tensor | None, object]:
     """Scores, argmax (None or empty when not asked for) and what the implementation keeps for
     :func:`backward_impl`, or None: the Triton path's tokens' inverse norms of ``normalize=True``; with ``step`` (a
     caller that keeps it for the backward: the eager autograd Function), the PyTorch path's
     :func:`maxsim.cpu.forward_for_step` state, whose argmax is then int64 in the PyTorch path's own order rather
-    than :func:`maxsim.layout.argmax_dtype` (a ragged layout's: int32, as its paths compute it). ``views``: ``Q``
-    and ``D`` are the caller's tensors, to be viewed canonically, and the results come in the caller's shape
-    (``views.out``)."""
+    than :func:`maxsim.layout.argmax_dtype` (a ragged layout's: int32, as its paths compute it), or, where the step's
+    caller does not read the argmax (``argmax_read`` False), a small varlen cross product's
+    :class:`maxsim.cpu_small.CrossStep` in place of the argmax (then empty). ``views``: ``Q`` and ``D`` are the
+    caller's tensors, to be viewed canonically, and the results come in the caller's shape (``views.out``)."""
     if impl == "triton":
         return _triton_path().forward_keeping_norms(Q, D, q_mask, d_mask, normalize, need_argmax, rg, views=views)
     if views is not None:
@@ -122,6 +124,10 @@ def forward_impl(
         if views is not None:
             scores, argmax = _out_views(scores, argmax, views)
         return scores, argmax, (sims_sum,)
+    if step and rg is not None and not argmax_read:
+        out = cpu_small.cross_forward_for_step(Q, D, normalize, rg)
+        if out is not None:
+            return out[0], out[0].new_empty((0,), dtype=torch.int32), out[1]
     if rg is not None:
         scores, argmax = cpu_ragged.forward(Q, D, normalize, need_argmax, rg)
         # The ragged paths compute it as int32, which is also what their backward indexes with: a step (the eager
@@ -145,7 +151,7 @@ def backward_impl(
     deterministic: bool,
     impl: str,
     rg: Ragged | None = None,
-    kept: tuple[Tensor, ...] | None = None,
+    kept: object = None,
     views: Views | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(dQ, dD)`` shaped as ``Q`` and ``D``; ``kept``: what :func:`forward_impl` kept, or None; ``views``: ``Q``
@@ -165,9 +171,11 @@ def backward_impl(
 
 def _torch_backward(
     grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, normalize: bool, deterministic: bool, rg: Ragged | None,
-    kept: tuple[Tensor, ...] | None,
+    kept: object,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """:func:`backward_impl` of the PyTorch paths on canonical tensors."""
+    if isinstance(kept, cpu_small.CrossStep):
+        return cpu_small.cross_backward_for_step(grad, Q, D, normalize, rg, kept)
     if kept is not None:  # (forward_for_step's state)
         return cpu.backward_for_step(grad, Q, D, argmax, normalize, *kept)
     if rg is not None:
@@ -282,17 +290,25 @@ torch.library.register_autograd("maxsim::forward", _backward, setup_context=_set
 class _MaxSimFunction(torch.autograd.Function):
     """Eager twin of ``maxsim::forward`` + its registered autograd (same implementation functions).
 
-    ``apply(Q, D, call)``, ``call = (q_mask, d_mask, normalize, impl, deterministic, rg, views)``: one argument
-    for what autograd need not look at (each argument of ``apply`` costs host time, twice: in and out)."""
+    ``apply(Q, D, call)``, ``call = (q_mask, d_mask, normalize, impl, deterministic, rg, views, return_argmax)``:
+    one argument for what autograd need not look at (each argument of ``apply`` costs host time, twice: in and
+    out)."""
 
     @staticmethod
     def forward(ctx, Q, D, call):
-        q_mask, d_mask, normalize, impl, _deterministic, rg, views = call
+        q_mask, d_mask, normalize, impl, _deterministic, rg, views, return_argmax = call
         # (the caller's Q and D, saved as given: neither pass makes their canonical views on a planned call)
         # (in the caller's shapes: neither pass makes a view of the results either)
-        scores, argmax, kept = forward_impl(Q, D, q_mask, d_mask, normalize, True, impl, rg, views, step=True)
-        ctx.save_for_backward(Q, D, argmax, *(kept or ()))
-        ctx.call = call[2:]  # (not the masks: the backward does not need them alive)
+        scores, argmax, kept = forward_impl(
+            Q, D, q_mask, d_mask, normalize, True, impl, rg, views, step=True, argmax_read=return_argmax
+        )
+        if isinstance(kept, cpu_small.CrossStep):  # (its plan is no tensor; its tensors are few and small)
+            ctx.save_for_backward(Q, D, argmax)
+            ctx.kept = kept  # (made by this forward: no input or output in it, so no reference cycle)
+        else:  # (tensors or None: saved as autograd saves them, freed after the backward)
+            ctx.save_for_backward(Q, D, argmax, *(kept or ()))
+            ctx.kept = None
+        ctx.call = call[2:7]  # (not the masks: the backward does not need them alive)
         # No zero-filled gradient for the (non-differentiable) argmax output: one allocation and fill fewer per step.
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(argmax)
@@ -304,7 +320,7 @@ class _MaxSimFunction(torch.autograd.Function):
             return None, None, None
         Q, D, argmax, *kept = ctx.saved_tensors
         normalize, impl, deterministic, rg, views = ctx.call
-        kept = tuple(kept) or None
+        kept = ctx.kept or tuple(kept) or None
         dQ, dD = backward_impl(grad_scores, Q, D, argmax, normalize, deterministic, impl, rg, kept, views)
         return dQ, dD, None
 
@@ -338,7 +354,7 @@ def maxsim_canonical(
     need_grad = torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)
     compiling = torch.compiler.is_compiling()
     if need_grad and not compiling:
-        out = _MaxSimFunction.apply(Q, D, (q_mask, d_mask, normalize, impl, deterministic, rg, views))
+        out = _MaxSimFunction.apply(Q, D, (q_mask, d_mask, normalize, impl, deterministic, rg, views, return_argmax))
         # (contiguous: the PyTorch path's step keeps its argmax in its own order)
         return (out[0], out[1].to(torch.int32, memory_format=torch.contiguous_format)) if return_argmax else out[0]
     need_argmax = need_grad or return_argmax
