@@ -158,20 +158,20 @@ class _Pairs(NamedTuple):
     needs no mask)."""
 
     q_start: Tensor
-    d_start: Tensor
+    d_start: Tensor | None  # (None: not needed, see :func:`_pairs`)
     q_len: Tensor | None
     d_len: Tensor | None
 
 
-def _pairs(rg: Ragged, p: _Plan) -> _Pairs:
-    q_start, d_start = rg.q_seg[:-1], rg.d_seg[:-1]
-    q_len = rg.q_seg.diff() if p.q_short else None
-    d_len = rg.d_seg.diff() if p.d_short else None
+def _pairs(rg: Ragged, p: _Plan, documents: bool = True) -> _Pairs:
+    """The pairs' rows and lengths; without ``documents``, the documents' lengths only where one is empty (their
+    first rows are not needed: :func:`_pair_scores_by_segments`)."""
     pq, pd = rg.pair_q, rg.pair_d
-    return _Pairs(
-        q_start.index_select(0, pq), d_start.index_select(0, pd),
-        None if q_len is None else q_len.index_select(0, pq), None if d_len is None else d_len.index_select(0, pd),
-    )  # fmt: skip
+    q_start = rg.q_seg[:-1].index_select(0, pq)
+    q_len = rg.q_seg.diff().index_select(0, pq) if p.q_short else None
+    d_start = rg.d_seg[:-1].index_select(0, pd) if documents else None
+    d_len = rg.d_seg.diff().index_select(0, pd) if p.d_short and (documents or p.d_empty) else None
+    return _Pairs(q_start, d_start, q_len, d_len)
 
 
 def forward(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: Ragged) -> tuple[Tensor, Tensor] | None:
@@ -192,9 +192,10 @@ def forward(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: Ragged
             return None
         return _cross_forward(Q, D, normalize, need_argmax, rg, p)
     P = rg.pair_q.shape[0]
-    g = _pairs(rg, p)
     if p.cross and not need_argmax:
+        g = _pairs(rg, p, documents=False)
         return _pair_scores_by_segments(Q, D, normalize, p, g, rg).view(1, P), torch.empty((0,), dtype=torch.int32)
+    g = _pairs(rg, p)
     sim = _similarities(Q, D, normalize, p, g)
     scores, argmax = _reduce(sim, p, g, need_argmax)
     if need_argmax:
@@ -325,14 +326,15 @@ def _pair_scores_by_segments(Q: Tensor, D: Tensor, normalize: bool, p: _Plan, g:
         Qa, Da = Qa * cpu._inv_norm(Qa)[:, None], Da * cpu._inv_norm(Da)[:, None]
     lengths = rg.d_seg.diff()
     best = torch.segment_reduce(Qa @ Da.T, "max", lengths=lengths.expand(p.rows_q, -1), axis=1, unsafe=True)
-    rows = g.q_start[:, None] + torch.arange(p.lq)  # [P, lq]: each pair's query tokens
+    t = torch.arange(p.lq)
+    rows = g.q_start[:, None] + t  # [P, lq]: each pair's query tokens
     if not p.q_fits:
         rows = rows.clamp_(max=p.rows_q - 1)  # (past the end: masked below)
     best = best.view(-1).index_select(0, torch.add(rg.pair_d[:, None], rows, alpha=lengths.shape[0]).view(-1))
     best = best.view(rows.shape)
     valid = None
     if g.q_len is not None:
-        valid = torch.arange(p.lq) < g.q_len[:, None]
+        valid = t < g.q_len[:, None]
     if p.d_empty:
         has_tokens = (g.d_len > 0)[:, None]
         valid = has_tokens if valid is None else valid & has_tokens
