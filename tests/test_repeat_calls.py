@@ -1,6 +1,7 @@
-"""Repeated inference calls of ``maxsim.maxsim`` (``ops.repeat_key``): a mask-free scores-only call whose signature
-an earlier call had goes straight to that call's launch plan. It must give what the full path gives, take the full
-path whenever anything the plan depends on differs, and never skip a check that the call would fail."""
+"""Repeated inference calls of ``maxsim.maxsim`` and ``maxsim.maxsim_pairs`` (``ops.repeat_key``): a mask-free
+scores-only call whose signature an earlier call had goes straight to that call's launch plan. It must give what the
+full path gives, take the full path whenever anything the plan depends on differs, and never skip a check that the
+call would fail."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from helpers import int_grid, spy, triton_usable
 import maxsim
 from maxsim import ops
 from maxsim.reference import maxsim as maxsim_reference
+from maxsim.reference import maxsim_pairs as pairs_reference
 
 
 @pytest.fixture
@@ -63,6 +65,33 @@ def test_repeats_of_every_dense_shape_score_as_the_reference(shape, triton_only,
         assert out.shape == want.shape
         torch.testing.assert_close(out, want, rtol=0, atol=0)
     assert len(plan_keys) == 2  # (the first call's lookup and filing; the second call is a repeat)
+
+
+def test_a_repeated_pair_call_skips_to_the_plan_and_scores_the_same(triton_only, plan_keys, device):
+    Q, D = _inputs(device, nd=3)
+    first = maxsim.maxsim_pairs(Q, D)
+    assert len(plan_keys) == 2
+    Q2, D2 = _inputs(device, nd=3, seed=5)
+    again = maxsim.maxsim_pairs(Q2, D2)
+    assert len(plan_keys) == 2
+    torch.testing.assert_close(first, pairs_reference(Q, D).float(), rtol=0, atol=0)
+    torch.testing.assert_close(again, pairs_reference(Q2, D2).float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_pairs_and_cross_products_of_one_shape_never_share_a_repeat(backend, device):
+    """``maxsim(Q [B, Lq, dim], D [B, Ld, dim])`` is a ``[B, B]`` cross product, ``maxsim_pairs`` of the same tensors
+    ``B`` pairs: their signatures differ by the function, so neither repeats the other's call."""
+    if backend == "triton" and not triton_usable(device):
+        pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
+    if backend == "triton":
+        ops._triton_path()  # (before a first Triton call nothing is filed)
+    Q, D = _inputs(device, nd=3)
+    with maxsim.backend(backend), torch.no_grad():
+        for _ in range(2):
+            cross, pairs = maxsim.maxsim(Q, D), maxsim.maxsim_pairs(Q, D)
+            torch.testing.assert_close(cross, maxsim_reference(Q, D).float(), rtol=0, atol=0)
+            torch.testing.assert_close(pairs, pairs_reference(Q, D).float(), rtol=0, atol=0)
 
 
 def _changed_call(change: str, Q: torch.Tensor, D: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -180,6 +209,23 @@ def test_cpu_repeats_score_as_the_full_path(shape, sizes, dtype, full_path):
     # (integer tokens: exact in fp32 sums; the reference in float64, as bf16 sums would round)
     torch.testing.assert_close(first.double(), maxsim_reference(Q.double(), D.double()), rtol=0, atol=0)
     torch.testing.assert_close(again.double(), maxsim_reference(Q2.double(), D2.double()), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("sizes", [dict(), dict(nq=16, lq=8, ld=41, dim=96), dict(nq=2, lq=32, ld=40, dim=64)])
+def test_cpu_pair_repeats_score_as_the_full_path(sizes, dtype, full_path):
+    """``maxsim_pairs``: a repeated signature skips the full path and scores bit for bit as it, ``[B]``."""
+    Q, D = _inputs("cpu", nd=sizes.get("nq", 3), dtype=dtype, **sizes)
+    with torch.no_grad():
+        first = maxsim.maxsim_pairs(Q, D)
+        Q2, D2 = _inputs("cpu", nd=sizes.get("nq", 3), dtype=dtype, seed=5, **sizes)
+        again = maxsim.maxsim_pairs(Q2, D2)
+        assert len(full_path) == 1, "the repeat took the full path"
+        ops._cpu_repeats.clear()
+        full = maxsim.maxsim_pairs(Q2, D2)
+    assert again.shape == full.shape == (Q.shape[0],) and again.dtype == full.dtype and torch.equal(again, full)
+    torch.testing.assert_close(first.double(), pairs_reference(Q.double(), D.double()), rtol=0, atol=0)
+    torch.testing.assert_close(again.double(), pairs_reference(Q2.double(), D2.double()), rtol=0, atol=0)
 
 
 def test_cpu_repeats_propagate_nan():

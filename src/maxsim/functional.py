@@ -21,11 +21,30 @@ def _deterministic(mode: str) -> bool:
     return mode == "deterministic"
 
 
-def _run(Q: Tensor, D: Tensor, canonical: tuple, normalize: bool, backward: str, return_argmax: bool):
-    """The caller's ``Q``, ``D`` and the :func:`canonical_dense` description of them -> scores (and argmax)."""
+def _repeat(
+    function: str, Q: Tensor, D: Tensor, masked: bool, normalize: bool, backward: str, return_argmax: bool
+) -> tuple[tuple | None, Tensor | None]:
+    """``(signature, scores)`` of a mask-free scores-only call of ``function`` (:func:`maxsim.ops.repeat_key`):
+    the scores where an earlier call filed that signature, else None (and a None signature where the call is not
+    one to repeat). Before any check: a repeat is a signature that passed them."""
+    if masked or return_argmax is not False:
+        return None, None
+    key = ops.repeat_key(Q, D, normalize, backward, function)
+    return key, (None if key is None else ops.run_repeat(key, Q, D))
+
+
+def _run(
+    Q: Tensor, D: Tensor, canonical: tuple, normalize: bool, backward: str, return_argmax: bool,
+    repeat: tuple | None = None,
+):  # fmt: skip
+    """The caller's ``Q``, ``D`` and the :func:`canonical_dense` description of them -> scores (and argmax); with
+    ``repeat``, the call's signature, filed for repeats after it."""
     views, q_mask, d_mask = canonical
     impl, det = choose_impl(Q), _deterministic(backward)
-    return ops.maxsim_canonical(Q, D, q_mask, d_mask, normalize, impl, det, None, return_argmax, views)
+    out = ops.maxsim_canonical(Q, D, q_mask, d_mask, normalize, impl, det, None, return_argmax, views)
+    if repeat is not None:
+        ops.keep_repeat(repeat, Q, D, normalize, views)
+    return out
 
 
 def maxsim(
@@ -60,13 +79,10 @@ def maxsim(
         float32 scores (float64 for float64 inputs). Ties in the max go to the lowest token index; a NaN among a
         pair's valid tokens makes its score NaN. No host↔device synchronization.
     """
-    repeat = None
-    if q_mask is None and d_mask is None and return_argmax is False:
-        repeat = ops.repeat_key(Q, D, normalize, backward)
-        if repeat is not None:
-            scores = ops.run_repeat(repeat, Q, D)
-            if scores is not None:
-                return scores
+    masked = q_mask is not None or d_mask is not None
+    repeat, scores = _repeat("maxsim", Q, D, masked, normalize, backward, return_argmax)
+    if scores is not None:
+        return scores
     validate.call(Q, D, (2, 3), (2, 3, 4), normalize, backward, return_argmax)
     if D.dim() == 4:
         if Q.dim() != 3:
@@ -83,11 +99,7 @@ def maxsim(
         validate.mask("q_mask", q_mask, Q.shape[:-1], Q.device)
     if d_mask is not None:
         validate.mask("d_mask", d_mask, D.shape[:-1], Q.device)
-    canonical = canonical_dense(Q, D, q_mask, d_mask)
-    out = _run(Q, D, canonical, normalize, backward, return_argmax)
-    if repeat is not None:
-        ops.keep_repeat(repeat, Q, D, normalize, canonical[0])
-    return out
+    return _run(Q, D, canonical_dense(Q, D, q_mask, d_mask), normalize, backward, return_argmax, repeat)
 
 
 def maxsim_with_argmax(
@@ -120,6 +132,10 @@ def maxsim_pairs(
     Masks: ``q_mask [B, Lq]``, ``d_mask [B, Ld]``; everything else as :func:`maxsim` (``return_argmax`` adds the
     int32 argmax ``[B, Lq]``).
     """
+    masked = q_mask is not None or d_mask is not None
+    repeat, scores = _repeat("maxsim_pairs", Q, D, masked, normalize, backward, return_argmax)
+    if scores is not None:
+        return scores
     validate.call(Q, D, (3,), (3,), normalize, backward, return_argmax)
     if D.shape[0] != Q.shape[0]:
         raise ValueError(f"D: expected as many documents as queries (B = {Q.shape[0]}), got shape {tuple(D.shape)}")
@@ -127,4 +143,4 @@ def maxsim_pairs(
         validate.mask("q_mask", q_mask, Q.shape[:-1], Q.device)
     if d_mask is not None:
         validate.mask("d_mask", d_mask, D.shape[:-1], Q.device)
-    return _run(Q, D, canonical_pairs(Q, D, q_mask, d_mask), normalize, backward, return_argmax)
+    return _run(Q, D, canonical_pairs(Q, D, q_mask, d_mask), normalize, backward, return_argmax, repeat)

@@ -33,12 +33,12 @@ def _triton_path():
 
 
 # ---- repeated inference calls ----------------------------------------------------------------------------------
-# A mask-free scores-only call of maxsim.maxsim whose signature (shapes, strides, dtypes, devices, options, backend)
-# an earlier call had, and which then ran a kept launch plan, was well-formed then and is now: it goes straight to
-# the plan's allocations and launch, without the checks, the layout and the layers between (host time of a tiny
-# forward: see docs/performance.md v68). On the CPU the same holds for the PyTorch path's one-block forward without
-# normalize: the repeat runs :func:`maxsim.cpu.plain_scores`'s ops, its decisions (and the settings they read, part
-# of the signature) taken by the first call (v112).
+# A mask-free scores-only call of maxsim.maxsim or maxsim.maxsim_pairs whose signature (function, shapes, strides,
+# dtypes, devices, options, backend) an earlier call had, and which then ran a kept launch plan, was well-formed then
+# and is now: it goes straight to the plan's allocations and launch, without the checks, the layout and the layers
+# between (host time of a tiny forward: see docs/performance.md v68). On the CPU the same holds for the PyTorch
+# path's one-block forward without normalize: the repeat runs :func:`maxsim.cpu.plain_scores`'s ops, its decisions
+# (and the settings they read, part of the signature) taken by the first call (v112, pairs v115).
 
 CPU_REPEATS_MAX = 256
 """Signatures of CPU calls kept for repeats; past this many, the store starts over."""
@@ -46,10 +46,11 @@ CPU_REPEATS_MAX = 256
 _cpu_repeats: dict[tuple, object] = {}
 
 
-def repeat_key(Q: object, D: object, normalize: object, backward: object) -> tuple | None:
-    """The signature of a call with these arguments for :func:`run_repeat` and :func:`keep_repeat`; None where the
-    call must take the full path (arguments that are not tensors and options, a graph to record, a compilation,
-    a CPU call with ``normalize``)."""
+def repeat_key(Q: object, D: object, normalize: object, backward: object, function: str = "maxsim") -> tuple | None:
+    """The signature of a call of the public ``function`` (``"maxsim"`` or ``"maxsim_pairs"``, whose tensors of
+    one shape mean different problems) with these arguments for :func:`run_repeat` and :func:`keep_repeat`; None
+    where the call must take the full path (arguments that are not tensors and options, a graph to record, a
+    compilation, a CPU call with ``normalize``)."""
     if not (isinstance(Q, Tensor) and isinstance(D, Tensor) and type(normalize) is bool and type(backward) is str):
         return None
     on_cpu = Q.device.type == "cpu"
@@ -58,8 +59,8 @@ def repeat_key(Q: object, D: object, normalize: object, backward: object) -> tup
     if (torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)) or torch.compiler.is_compiling():
         return None
     f32 = torch.get_float32_matmul_precision() if Q.dtype is torch.float32 else None
-    return ("repeat", Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype, Q.device, D.device, normalize,
-            backward, get_backend(), f32, cpu.plain_settings() if on_cpu else None)  # fmt: skip
+    return ("repeat", function, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype, Q.device, D.device,
+            normalize, backward, get_backend(), f32, cpu.plain_settings() if on_cpu else None)  # fmt: skip
 
 
 def run_repeat(key: tuple, Q: Tensor, D: Tensor) -> Tensor | None:
