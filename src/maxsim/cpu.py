@@ -36,12 +36,15 @@ temporary. This 2-core CPU, fp32, full size, normalized training steps (min of 5
 Lq32 Ld180 (60,131 touched rows) 145.9 ms in one block, 121.4 / 118.2 / 119.1 / 121.6 / 123.2 in blocks of 256 KB /
 1 / 2 / 4 / 8 MB; candidates 256 x 16 Ld300 423.8, 333.8 / 329.5 / 329.7 / 333.6 / 345.8."""
 
-DENSE_BACKWARD_MAX = 1 << 14
+DENSE_BACKWARD_MAX = 1 << 16
 """A CPU backward whose one-hot weights ``[Nq, Lq, K, Ld]`` have at most this many entries runs as two products
 with them (:func:`_backward_one_hot`): a handful of ops instead of the ~30 of the link list, which is what a tiny
 step costs here (this 2-core machine, fp32, dim 128, ``Q [4, 8]`` tokens: cross against 16 documents of 10 tokens
 215 -> 92 µs, candidates 4 x 16 of 22 tokens 231 -> 123 µs, 4 x 7 of 41 216 -> 106 µs, pairs 16 x Ld 37 180 ->
-71 µs; at 4 x 16 x 37 (19,456 entries) both took ~215 µs). So do backwards of documents of at most
+71 µs; at 4 x 16 x 37 (19,456 entries) both took ~215 µs). Long documents past :data:`STEP_MAX_LD`, training step,
+links -> one-hot (eager): cross 4 x 16 of Lq 8, Ld 128 (65,536 entries) 881 -> 738 µs (783), candidates 4 x 16 of 8 x
+128 1228 -> 970 (1104), cross 4 x 8 of 8 x 256 703 -> 690; masked, 0.93-1.05x; at 131,072 entries 0.96-1.05x, masked
+1.24x: hence 2^16 (it was 2^14). So do backwards of documents of at most
 :data:`STEP_MAX_LD` tokens at any size, masked ones included (full size, 20 % of the document tokens and 10 % of the
 query tokens masked, link list -> one-hot, eager: cross 32 x 32 Lq32 Ld80 15.5 -> 11.6 ms (20.0), candidates 64 x 32
 Lq32 Ld32 24.6 -> 13.7 (26.5); Ld 64 9.1 -> 9.2 (13.2); Ld 128 75 -> 93: not taken)."""
