@@ -8,6 +8,10 @@ the same number of times, read in place while each pair's query rows are gathere
   and the general path's regrouped blocks), in one block and in many;
 * NaN and inf in the rows after a short query (another query's, listed in no pair) stay out; NaN in a document makes
   its pairs' scores NaN;
+* a training step whose caller does not read the argmax keeps its query rows and choices for a backward of one-hot
+  products by document: against the link list's (exactly on integer tokens) and the reference, with short queries,
+  offsets past row 0, a token that is not finite (the link list then), a second backward; never kept with
+  ``normalize``, above its bound, or when the argmax is returned;
 * what this path leaves to the others: documents of several lengths, documents listed unevenly, gaps between
   documents, ids or offsets out of range, nothing to score.
 """
@@ -240,3 +244,96 @@ def test_the_general_path_keeps_its_own_tests_when_disabled(monkeypatch):
     case = dataclasses.replace(EXACT[0], dim=8)
     b = build(case, "cpu")
     assert cpu_by_document.plan(b.Q, b.D, Layout(b.cu_q, b.cu_d, b.pair_q, b.pair_d, 6, 9)) is None
+
+
+# ----------------------------------------------------------------------------------------------------
+# a training step without the argmax returned: the query rows and choices kept for one-hot products
+
+
+def _step_grads(case: Ragged, b, Q: torch.Tensor, D: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """``(scores, dQ, dD)`` of the training step of ``case`` without the argmax returned (the kept step, where
+    taken) and with it (the link list), under integer upstream weights."""
+    out = []
+    for return_argmax in (False, True):
+        Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+        with maxsim.backend("torch"):
+            res = lib_call(dataclasses.replace(case, return_argmax=return_argmax), b, Qg, Dg)
+        s = res[0] if return_argmax else res
+        weights = (torch.arange(s.numel(), dtype=s.dtype) % 5 - 2).view(s.shape)
+        out.append((s.detach(), *torch.autograd.grad(s, (Qg, Dg), weights)))
+    return out
+
+
+@pytest.fixture
+def kept(monkeypatch) -> list[bool]:
+    """Whether each step of this path kept its state."""
+    return spy(monkeypatch, cpu_by_document, "forward_for_step", lambda args, out: out is not None)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_steps_keep_their_choices(seed, kept):
+    """Random lists (every dtype, short and empty queries, 1-3 pairs a document, shuffled), trained without the
+    argmax returned: the products' gradients are the link list's, exactly on integer tokens (the same terms; a
+    query's rows add in another order otherwise), and the float64 reference's; ``normalize`` keeps nothing."""
+    case = dataclasses.replace(_by_document_case(seed), exact=seed % 2 == 0, noncontig=False)
+    b = build(case, "cpu")
+    step, links = _step_grads(case, b, b.Q, b.D)
+    for name, x, y in zip(("scores", "dQ", "dD"), step, links, strict=True):
+        if case.exact:
+            assert x.dtype == y.dtype and torch.equal(x, y), f"{name}: {x.tolist()} != {y.tolist()}"
+        else:
+            tol = 1e-2 if case.dtype in ("fp16", "bf16") else 1e-5
+            torch.testing.assert_close(x, y, rtol=tol, atol=tol)
+    assert kept == [not case.normalize], (kept, case)
+    with maxsim.backend("torch"):
+        check_ragged(dataclasses.replace(case, return_argmax=False), "cpu", any_ties=True)
+
+
+def test_steps_keep_their_choices_past_the_first_row(kept):
+    """Documents that start past D's first row, a short query last (its slab runs past Q's end: clamped rows, zero
+    weights), rows before and after that no sequence holds: gradients exact on integer tokens, zero outside."""
+    case = Ragged((5, 3), (4, 4, 4), pairs=((1, 2), (0, 0), (1, 1), (0, 2), (1, 0), (0, 1)), dim=8, exact=True)
+    b = build(case, "cpu")
+    nan = torch.full((2, 8), float("nan"))
+    shifted = dataclasses.replace(b, cu_d=b.cu_d + 2)
+    D = torch.cat([nan, b.D, nan])
+    step, links = _step_grads(case, shifted, b.Q, D)
+    for name, x, y in zip(("scores", "dQ", "dD"), step, links, strict=True):
+        assert torch.equal(x, y), f"{name}: {x.tolist()} != {y.tolist()}"
+    assert not bool(step[2][:2].any()) and not bool(step[2][-2:].any())
+    assert kept[0] is True, kept
+
+
+def test_a_token_that_is_not_finite_takes_the_link_list(kept):
+    """-inf in a document token that no query chose: a product would multiply it by 0 (NaN); the kept sum of the
+    similarities is not finite, so the backward adds the links row by row: exactly the link list's."""
+    case = Ragged((3, 4), (5, 5), pairs=((0, 0), (1, 1), (1, 0), (0, 1)), dim=8, exact=True)
+    b = build(case, "cpu")
+    Q, D = b.Q.abs() + 1, b.D.clone()  # (positive query tokens: a -inf component makes a similarity -inf)
+    D[1, 0] = float("-inf")
+    step, links = _step_grads(case, b, Q, D)
+    for name, x, y in zip(("scores", "dQ", "dD"), step, links, strict=True):
+        assert torch.equal(x, y), f"{name}: {x.tolist()} != {y.tolist()}"
+    assert bool(torch.isfinite(step[1]).all() and torch.isfinite(step[2]).all())
+    assert kept[0] is True, kept
+
+
+def test_a_kept_pair_step_backward_runs_twice(kept):
+    case = Ragged((3, 4), (5, 5, 5), pairs=((0, 0), (1, 1), (1, 2)), dim=8)
+    b = build(case, "cpu")
+    Q, D = b.Q.clone().requires_grad_(), b.D.clone().requires_grad_()
+    with maxsim.backend("torch"):
+        s = lib_call(dataclasses.replace(case, return_argmax=False), b, Q, D)
+    first = torch.autograd.grad(s.sum(), (Q, D), retain_graph=True)
+    second = torch.autograd.grad(s.sum(), (Q, D))
+    assert kept == [True] and all(torch.equal(x, y) for x, y in zip(first, second, strict=True))
+
+
+def test_steps_above_the_bound_or_with_the_argmax_keep_nothing(kept, monkeypatch):
+    case = Ragged((3, 4), (5, 5, 5), pairs=((0, 0), (1, 1), (1, 2)), dim=8)
+    monkeypatch.setattr(cpu_by_document, "STEP_MAX_WEIGHTS", 3 * 4 * 5 - 1)  # (one weight short)
+    b = build(case, "cpu")
+    step, links = _step_grads(case, b, b.Q, b.D)
+    assert kept == [False]  # (the step with the argmax returned never asks)
+    for x, y in zip(step, links, strict=True):
+        assert torch.equal(x, y)

@@ -95,6 +95,7 @@ PATCHES = {
     "cpu_small.MAX_VALUES": (-1, 4), "cpu_small._cross_product_pays": (True, False),
     "cpu_small.CROSS_FORWARD_MEAN_LD": (-1, 1 << 30), "cpu_small._products_pay": (True, False),
     "cpu_by_document.MAX_VALUES": (-1,), "cpu_by_document.BLOCK_BYTES": (1, 256),
+    "cpu_by_document.STEP_MAX_WEIGHTS": (-1, 1 << 40),
     "cpu_ragged.PACKED_ARGMAX_MAX_SIMS": (0, 50), "cpu_ragged.BY_LENGTH_MIN_WORK": (0, 100),
     "cpu_ragged.PAIR_BLOCK_BYTES": (16, 256), "cpu_ragged.LINK_BLOCK_BYTES": (8, 256),
     "cpu_ragged.PACKED_QUERY_ROWS": (1, 3), "cpu_ragged.PER_DOCUMENT_MIN_SIMS": (0, 16),

@@ -24,6 +24,7 @@ query's end adds 0 and chooses -1; scores in the accumulation dtype.
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import NamedTuple
 
@@ -36,6 +37,13 @@ from .layout import Ragged, accum_dtype
 MAX_VALUES = 1 << 16
 """Offsets and pair ids (``Nq + Nd + 2·P``) up to which :func:`plan` reads them back as lists (a few ms at most);
 beyond, the other paths."""
+
+STEP_MAX_WEIGHTS = 1 << 15
+"""One-hot weights ``P·lq·ld`` up to which a training step keeps its state for the products' backward
+(:func:`forward_for_step`). This 2-core CPU, fp32, dim 128, training step, link list -> kept products, by queries x
+query length x documents x document length x pairs a document: 4 x 8 x 64 x 22 x 1 (11K weights) 0.88x, 8 x 8 x 32 x
+32 x 2 (16K) 0.84x, 32 x 8 x 256 x 8 (16K) 0.68x, 8 x 8 x 64 x 64 (32K) 0.79x, 4 x 16 x 32 x 64 (32K) 0.93x, 4 x 32 x
+8 x 128 (32K) 1.00x, 4 x 32 x 16 x 128 (64K) 1.07x."""
 
 BLOCK_BYTES = 4 << 20
 """Budget of one block of documents (its similarities, its query rows and its documents in the accumulation
@@ -90,56 +98,152 @@ def plan(Q: Tensor, D: Tensor, rg: Ragged) -> Plan | None:
     return Plan(n_d, ld, d0, m, lq, q_lo < lq, q_off[-2] + lq <= Q.shape[0], in_order)
 
 
+class _Sorted(NamedTuple):
+    """The pairs in document order: ``order [P]`` (None where the list is in it already), each pair's first query row
+    ``q_start [P]`` and, where some query is short, its length ``q_len [P]``."""
+
+    order: Tensor | None
+    q_start: Tensor
+    q_len: Tensor | None
+
+
+def _sorted(rg: Ragged, p: Plan) -> _Sorted:
+    order = None if p.sorted else torch.argsort(rg.pair_d, stable=True)
+    pair_q = rg.pair_q if order is None else rg.pair_q.index_select(0, order)
+    q_len = rg.q_seg.diff().index_select(0, pair_q) if p.q_short else None
+    return _Sorted(order, rg.q_seg[:-1].index_select(0, pair_q), q_len)
+
+
+def _documents(D: Tensor, p: Plan) -> Tensor:
+    """The documents as ``[n_docs, ld, dim]`` (a view of ``D``)."""
+    return D[p.d0 : p.d0 + p.n_docs * p.ld].view(p.n_docs, p.ld, D.shape[1])
+
+
+def _block(
+    Q: Tensor, docs: Tensor, normalize: bool, need_argmax: bool, p: Plan, s: _Sorted, j0: int, j1: int,
+    keep_sum: bool = False,
+) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:  # fmt: skip
+    """Documents ``j0 .. j1`` and their pairs (in document order): the pairs' scores ``[pairs]``, the argmax
+    ``[pairs, lq]`` int64 (-1 past a query's end; None unless ``need_argmax``), the pairs' query rows ``Qs
+    [pairs, lq, dim]`` in the accumulation dtype, and with ``keep_sum`` the sum of every similarity (else None)."""
+    acc, lq, m = accum_dtype(Q.dtype), p.lq, p.m
+    p0, p1 = j0 * m, j1 * m
+    Qs = cpu._as(cpu_small._slabs(Q, s.q_start[p0:p1], lq, p.q_fits), acc)  # [pairs, lq, dim]
+    Ds = cpu._as(docs[j0:j1], acc)
+    if normalize:
+        Qs, Ds = Qs * cpu._inv_norm(Qs)[..., None], Ds * cpu._inv_norm(Ds)[..., None]
+    best, arg, sims_sum = _row_max(Qs.view(j1 - j0, m * lq, Q.shape[1]), Ds, need_argmax, keep_sum)
+    best, arg = best.reshape(p1 - p0, lq), None if arg is None else arg.reshape(p1 - p0, lq)
+    if s.q_len is not None:  # a query token past its query's end adds 0 (where: its max may be NaN) and chose -1
+        valid = torch.arange(lq) < s.q_len[p0:p1, None]
+        best = torch.where(valid, best, 0.0)
+        if need_argmax:
+            arg = torch.where(valid, arg, -1)
+    return best.sum(dim=-1), arg, Qs, sims_sum
+
+
+def _in_list_order(x: Tensor, order: Tensor | None) -> Tensor:
+    """Rows in document order back to the list's order."""
+    return x if order is None else torch.empty_like(x).index_copy_(0, order, x)
+
+
+def _argmax_out(arg: Tensor, order: Tensor | None, rg: Ragged) -> Tensor:
+    """The argmax ``[P, lq]`` in document order as the public ``[1, P, max_q]`` int32 (-1 past ``lq``)."""
+    P, lq = arg.shape
+    argmax = arg.to(torch.int32)
+    if lq < rg.max_q:  # (the argmax is max_q wide: no query token there)
+        argmax = torch.nn.functional.pad(argmax, (0, rg.max_q - lq), value=-1)
+    return _in_list_order(argmax, order).view(1, P, rg.max_q)
+
+
 def forward(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: Ragged, p: Plan) -> tuple[Tensor, Tensor]:
     """Scores ``[1, P]`` (fp32; fp64 for fp64 inputs) and, if asked, the argmax ``[1, P, max_q]`` int32 (else
     ``[0]``) of the pair list ``rg`` planned as ``p``."""
     P, dim, lq, ld, m = rg.pair_q.shape[0], Q.shape[1], p.lq, p.ld, p.m
-    acc = accum_dtype(Q.dtype)
-    order = None if p.sorted else torch.argsort(rg.pair_d, stable=True)
-    pair_q = rg.pair_q if order is None else rg.pair_q.index_select(0, order)
-    q_start = rg.q_seg[:-1].index_select(0, pair_q)  # [P] in document order
-    q_len = rg.q_seg.diff().index_select(0, pair_q) if p.q_short else None
-    docs = D[p.d0 : p.d0 + p.n_docs * ld].view(p.n_docs, ld, dim)
-    itemsize = torch.finfo(acc).bits // 8
+    s = _sorted(rg, p)
+    docs = _documents(D, p)
+    itemsize = torch.finfo(accum_dtype(Q.dtype)).bits // 8
     per_doc = (m * lq * (ld + dim) + ld * dim) * itemsize
     step = max(1, min(p.n_docs, BLOCK_BYTES // per_doc))
-    t = torch.arange(lq) if q_len is not None else None
-    parts: list[tuple[Tensor, Tensor | None]] = []
-    for j0 in range(0, p.n_docs, step):
-        j1 = min(p.n_docs, j0 + step)
-        p0, p1 = j0 * m, j1 * m
-        Qs = cpu._as(cpu_small._slabs(Q, q_start[p0:p1], lq, p.q_fits), acc)  # [pairs, lq, dim]
-        Ds = cpu._as(docs[j0:j1], acc)
-        if normalize:
-            Qs, Ds = Qs * cpu._inv_norm(Qs)[..., None], Ds * cpu._inv_norm(Ds)[..., None]
-        best, arg = _row_max(Qs.view(j1 - j0, m * lq, dim), Ds, need_argmax)
-        best, arg = best.reshape(p1 - p0, lq), None if arg is None else arg.reshape(p1 - p0, lq)
-        if q_len is not None:  # a query token past its query's end adds 0 (where: its max may be NaN) and chose -1
-            valid = t < q_len[p0:p1, None]
-            best = torch.where(valid, best, 0.0)
-            if need_argmax:
-                arg = torch.where(valid, arg, -1)
-        parts.append((best.sum(dim=-1), arg))
-    scores = parts[0][0] if len(parts) == 1 else torch.cat([s for s, _ in parts])
-    argmax = torch.empty((0,), dtype=torch.int32)
-    if need_argmax:
-        argmax = parts[0][1] if len(parts) == 1 else torch.cat([a for _, a in parts])
-        argmax = argmax.to(torch.int32)
-        if lq < rg.max_q:  # (the argmax is max_q wide: no query token there)
-            argmax = torch.nn.functional.pad(argmax, (0, rg.max_q - lq), value=-1)
-    if order is not None:  # back to the list's order
-        scores = torch.empty_like(scores).index_copy_(0, order, scores)
-        if need_argmax:
-            argmax = torch.empty_like(argmax).index_copy_(0, order, argmax)
-    return scores.view(1, P), (argmax.view(1, P, rg.max_q) if need_argmax else argmax)
+    parts = [
+        _block(Q, docs, normalize, need_argmax, p, s, j0, min(p.n_docs, j0 + step)) for j0 in range(0, p.n_docs, step)
+    ]
+    scores = parts[0][0] if len(parts) == 1 else torch.cat([part[0] for part in parts])
+    if not need_argmax:
+        return _in_list_order(scores, s.order).view(1, P), torch.empty((0,), dtype=torch.int32)
+    arg = parts[0][1] if len(parts) == 1 else torch.cat([part[1] for part in parts])
+    return _in_list_order(scores, s.order).view(1, P), _argmax_out(arg, s.order, rg)
 
 
-def _row_max(Qs: Tensor, Ds: Tensor, need_argmax: bool) -> tuple[Tensor, Tensor | None]:
+class PairStep(NamedTuple):
+    """What a pair list's training step keeps for its backward (:func:`forward_for_step`), in document order."""
+
+    plan: Plan
+    sorted: _Sorted
+    Qs: Tensor  # [P, lq, dim]: each pair's query rows, in the accumulation dtype
+    arg: Tensor  # [P, lq] int64: each query row's chosen token (-1 past its query's end)
+    sims_sum: Tensor  # 0-d: finite exactly when every token of Qs and of the documents is
+
+
+def forward_for_step(Q: Tensor, D: Tensor, normalize: bool, rg: Ragged) -> tuple[Tensor, PairStep] | None:
+    """The forward of a training step of a pair list this path takes, whose caller does not read the argmax: the
+    scores ``[1, P]`` and what :func:`backward_for_step` needs, where its one-hot weights ``[P, lq, ld]`` hold at
+    most :data:`STEP_MAX_WEIGHTS` entries and its documents fit one block, without ``normalize``; else None (the
+    caller takes :func:`forward` and the link list's backward)."""
+    if normalize:
+        return None
+    p = plan(Q, D, rg)
+    if p is None:
+        return None
+    P = rg.pair_q.shape[0]
+    per_doc = (p.m * p.lq * (p.ld + Q.shape[1]) + p.ld * Q.shape[1]) * (torch.finfo(accum_dtype(Q.dtype)).bits // 8)
+    if P * p.lq * p.ld > STEP_MAX_WEIGHTS or p.n_docs * per_doc > BLOCK_BYTES:
+        return None
+    s = _sorted(rg, p)
+    scores, arg, Qs, sims_sum = _block(Q, _documents(D, p), False, True, p, s, 0, p.n_docs, keep_sum=True)
+    return _in_list_order(scores, s.order).view(1, P), PairStep(p, s, Qs, arg, sims_sum)
+
+
+def step_argmax(step: PairStep, rg: Ragged) -> Tensor:
+    """The public argmax ``[1, P, max_q]`` int32 of a kept step (for the link list's backward)."""
+    return _argmax_out(step.arg, step.sorted.order, rg)
+
+
+def backward_for_step(grad: Tensor, Q: Tensor, D: Tensor, rg: Ragged, step: PairStep) -> tuple[Tensor, Tensor] | None:
+    """The backward after :func:`forward_for_step`: the one-hot weights ``W [P, lq, ld]`` (each query row's upstream
+    weight at its chosen token), grouped by document as the forward's GEMMs were, ``dD = Wᵀ·Qs`` per document
+    (written where the documents lie) and ``dQs = W·D``, added into each pair's query rows. None where some token is
+    not finite (the kept sum, a CPU scalar read: not a sync): a product multiplies every token (0 · inf is NaN), so
+    the caller adds the links row by row (:func:`step_argmax`)."""
+    if not math.isfinite(float(step.sims_sum)):
+        return None
+    p, s, Qs, arg = step.plan, step.sorted, step.Qs, step.arg
+    acc, (P, lq, dim), n = Qs.dtype, Qs.shape, p.n_docs
+    w = cpu._as(grad, acc).reshape(-1)
+    w = (w if s.order is None else w.index_select(0, s.order))[:, None, None].expand(P, lq, 1)
+    if s.q_len is not None:  # (a row past its query's end chose nothing: weight 0 at token 0)
+        chose = arg >= 0
+        w, arg = torch.where(chose[..., None], w, 0.0), arg.clamp(min=0)
+    W = torch.zeros((n, p.m * lq, p.ld), dtype=acc).scatter_(2, arg.view(n, p.m * lq, 1), w.reshape(n, p.m * lq, 1))
+    dDs = torch.bmm(W.transpose(1, 2), Qs.view(n, p.m * lq, dim))  # [n_docs, ld, dim]
+    dQs = torch.bmm(W, cpu._as(_documents(D, p), acc))  # [n_docs, m·lq, dim]
+    rows = (s.q_start[:, None] + torch.arange(lq)).view(-1)
+    if not p.q_fits:
+        rows = rows.clamp_(max=Q.shape[0] - 1)  # (past the end: zero rows, added to the last)
+    dQ = torch.zeros((Q.shape[0], dim), dtype=acc).index_add_(0, rows, dQs.view(P * lq, dim))
+    dD = cpu_small._rows_of(dDs.view(n * p.ld, dim), p.d0, D.shape[0])
+    return cpu._as(dQ, Q.dtype), cpu._as(dD, D.dtype)
+
+
+def _row_max(
+    Qs: Tensor, Ds: Tensor, need_argmax: bool, keep_sum: bool = False
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Each query row's max over its document's tokens, ``Qs [n, rows, dim]`` against ``Ds [n, ld, dim]`` ->
-    ``([n, rows], indices [n, rows] int64 or None)``: documents first (``Ds·Qsᵀ``, the rows padded to
-    :data:`maxsim.cpu.DOCUMENTS_FIRST_WIDTH`) where :func:`maxsim.cpu._documents_first` takes it (this 2-core CPU,
-    fp32, 32 rows against 256-token documents, 23 and 100 documents: 0.85-0.86x, with the indices 0.90-0.91x), else
-    ``Qs·Dsᵀ``. Ties go to the lowest index and NaN propagates either way."""
+    ``([n, rows], indices [n, rows] int64 or None, the sum of every similarity (with keep_sum) or None)``:
+    documents first (``Ds·Qsᵀ``, the rows padded to :data:`maxsim.cpu.DOCUMENTS_FIRST_WIDTH`, which add zeros to the
+    sum) where :func:`maxsim.cpu._documents_first` takes it (this 2-core CPU, fp32, 32 rows against 256-token
+    documents, 23 and 100 documents: 0.85-0.86x, with the indices 0.90-0.91x), else ``Qs·Dsᵀ``. Ties go to the
+    lowest index and NaN propagates either way."""
     n, rows, dim = Qs.shape
     ld = Ds.shape[1]
     if cpu._documents_first(rows, dim, n * rows * ld, need_argmax):
@@ -148,6 +252,7 @@ def _row_max(Qs: Tensor, Ds: Tensor, need_argmax: bool) -> tuple[Tensor, Tensor 
             Qs = torch.nn.functional.pad(Qs, (0, 0, 0, width - rows))
         sim = torch.bmm(Ds, Qs.transpose(1, 2))  # [n, ld, width]; padding columns never read past the max
         best, arg = sim.max(dim=1) if need_argmax else (sim.amax(dim=1), None)
-        return best[:, :rows], None if arg is None else arg[:, :rows]
+        return best[:, :rows], None if arg is None else arg[:, :rows], sim.sum() if keep_sum else None
     sim = torch.bmm(Qs, Ds.transpose(1, 2))
-    return sim.max(dim=-1) if need_argmax else (sim.amax(dim=-1), None)
+    best, arg = sim.max(dim=-1) if need_argmax else (sim.amax(dim=-1), None)
+    return best, arg, sim.sum() if keep_sum else None

@@ -114,6 +114,32 @@ def forward(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: Ragged
     return scores.masked_fill(bad, float("nan")), argmax
 
 
+STEPS = (cpu_small.CrossStep, cpu_by_document.PairStep)
+"""What :func:`forward_for_step` keeps for :func:`backward_for_step`."""
+
+
+def forward_for_step(Q: Tensor, D: Tensor, normalize: bool, rg: Ragged) -> tuple[Tensor, object] | None:
+    """The forward of a training step whose caller does not read the argmax: the scores and a state of
+    :data:`STEPS` for :func:`backward_for_step`, where a path keeps one (a small varlen cross product on the CPU,
+    :func:`maxsim.cpu_small.cross_forward_for_step`; a pair list over documents of one length,
+    :func:`maxsim.cpu_by_document.forward_for_step`); else None (the caller takes :func:`forward`)."""
+    if rg.pair_q is None:
+        return cpu_small.cross_forward_for_step(Q, D, normalize, rg)
+    return cpu_by_document.forward_for_step(Q, D, normalize, rg)
+
+
+def backward_for_step(
+    grad: Tensor, Q: Tensor, D: Tensor, normalize: bool, deterministic: bool, rg: Ragged, step: object
+) -> tuple[Tensor, Tensor]:
+    """The backward after :func:`forward_for_step` (``step`` what it kept)."""
+    if isinstance(step, cpu_small.CrossStep):
+        return cpu_small.cross_backward_for_step(grad, Q, D, normalize, rg, step)
+    out = cpu_by_document.backward_for_step(grad, Q, D, rg, step)
+    if out is None:  # (a token that is not finite: the links row by row)
+        return backward(grad, Q, D, cpu_by_document.step_argmax(step, rg), normalize, deterministic, rg)
+    return out
+
+
 def _forward_pairs(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: Ragged) -> tuple[Tensor, Tensor]:
     """Pair lists. On the CPU with offsets and pair ids in range: the pairs regrouped by query
     (:func:`_pairs_by_query`). Elsewhere (other devices, or ids / offsets out of range, which score NaN), one block

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import cpu, cpu_ragged, cpu_small
+from . import cpu, cpu_ragged
 from .backend import choose_impl, get_backend
 from .layout import Ragged, Views, accum_dtype, argmax_dtype, dims, view_as_canonical, view_as_given
 
@@ -113,8 +113,8 @@ def forward_impl(
     caller that keeps it for the backward: the eager autograd Function), the PyTorch path's
     :func:`maxsim.cpu.forward_for_step` state, whose argmax is then int64 in the PyTorch path's own order rather
     than :func:`maxsim.layout.argmax_dtype` (a ragged layout's: int32, as its paths compute it), or, where the step's
-    caller does not read the argmax (``argmax_read`` False), a small varlen cross product's
-    :class:`maxsim.cpu_small.CrossStep` in place of the argmax (then empty). ``views``: ``Q`` and ``D`` are the
+    caller does not read the argmax (``argmax_read`` False), a ragged CPU path's state
+    (:func:`maxsim.cpu_ragged.forward_for_step`) in place of the argmax (then empty). ``views``: ``Q`` and ``D`` are the
     caller's tensors, to be viewed canonically, and the results come in the caller's shape (``views.out``)."""
     if impl == "triton":
         return _triton_path().forward_keeping_norms(Q, D, q_mask, d_mask, normalize, need_argmax, rg, views=views)
@@ -126,9 +126,10 @@ def forward_impl(
             scores, argmax = _out_views(scores, argmax, views)
         return scores, argmax, (sims_sum,)
     if step and rg is not None and not argmax_read:
-        out = cpu_small.cross_forward_for_step(Q, D, normalize, rg)
+        out = cpu_ragged.forward_for_step(Q, D, normalize, rg)
         if out is not None:
-            return out[0], out[0].new_empty((0,), dtype=torch.int32), out[1]
+            scores = out[0] if views is None else _out_views(out[0], None, views)[0]
+            return scores, out[0].new_empty((0,), dtype=torch.int32), out[1]
     if rg is not None:
         scores, argmax = cpu_ragged.forward(Q, D, normalize, need_argmax, rg)
         # The ragged paths compute it as int32, which is also what their backward indexes with: a step (the eager
@@ -165,7 +166,9 @@ def backward_impl(
     Qc, Dc = _in_views(Q, D, views)
     if views.out is not None:  # (the caller's result shape: viewed back as the [Nq, K] grid)
         Nq, Lq, _, K, _, _ = dims(Qc, Dc, rg)
-        grad, argmax = grad.view(Nq, K), argmax.view(Nq, K, Lq)
+        grad = grad.view(Nq, K)
+        if not isinstance(kept, cpu_ragged.STEPS):  # (a kept step's argmax is an empty stand-in)
+            argmax = argmax.view(Nq, K, Lq)
     dQ, dD = _torch_backward(grad, Qc, Dc, argmax, normalize, deterministic, rg, kept)
     return view_as_given(dQ, views.q), view_as_given(dD, views.d)
 
@@ -175,8 +178,8 @@ def _torch_backward(
     kept: object,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """:func:`backward_impl` of the PyTorch paths on canonical tensors."""
-    if isinstance(kept, cpu_small.CrossStep):
-        return cpu_small.cross_backward_for_step(grad, Q, D, normalize, rg, kept)
+    if isinstance(kept, cpu_ragged.STEPS):
+        return cpu_ragged.backward_for_step(grad, Q, D, normalize, deterministic, rg, kept)
     if kept is not None:  # (forward_for_step's state)
         return cpu.backward_for_step(grad, Q, D, argmax, normalize, *kept)
     if rg is not None:
@@ -303,7 +306,7 @@ class _MaxSimFunction(torch.autograd.Function):
         scores, argmax, kept = forward_impl(
             Q, D, q_mask, d_mask, normalize, True, impl, rg, views, step=True, argmax_read=return_argmax
         )
-        if isinstance(kept, cpu_small.CrossStep):  # (its plan is no tensor; its tensors are few and small)
+        if isinstance(kept, cpu_ragged.STEPS):  # (its plan is no tensor; its tensors are few and small)
             ctx.save_for_backward(Q, D, argmax)
             ctx.kept = kept  # (made by this forward: no input or output in it, so no reference cycle)
         else:  # (tensors or None: saved as autograd saves them, freed after the backward)
