@@ -4,7 +4,8 @@ Both ops take the canonical layout (:mod:`maxsim.layout`) and an ``impl`` string
 chosen in Python beforehand, so ``torch.compile(fullgraph=True)`` sees one opaque call on every device. Autograd
 saves the argmax only (never the similarity tensor), as int16 where the documents allow it (see
 :func:`maxsim.layout.argmax_dtype`); the public functions return it as int32. (The eager route's small unmasked CPU
-steps keep ``max``'s own int64 indices and one scalar instead: :func:`maxsim.cpu.forward_for_step`.)
+steps keep ``max``'s own int64 indices and one scalar instead, :func:`maxsim.cpu.forward_for_step`, and small ragged
+CPU steps whose caller does not read the argmax their path's own choices, :func:`maxsim.cpu_ragged.forward_for_step`.)
 
 Eager calls skip the dispatcher: :func:`maxsim_canonical` runs the same implementation functions through a plain
 ``autograd.Function`` (the custom-op machinery costs ~100 µs of host time per call, more than a small training step's
