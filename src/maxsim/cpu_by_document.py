@@ -114,6 +114,13 @@ def _sorted(rg: Ragged, p: Plan) -> _Sorted:
     return _Sorted(order, rg.q_seg[:-1].index_select(0, pair_q), q_len)
 
 
+def _bytes_a_document(Q: Tensor, p: Plan) -> int:
+    """What a document costs a block (:data:`BLOCK_BYTES`): its pairs' similarities and query rows, and its tokens,
+    in the accumulation dtype."""
+    dim, itemsize = Q.shape[1], torch.finfo(accum_dtype(Q.dtype)).bits // 8
+    return (p.m * p.lq * (p.ld + dim) + p.ld * dim) * itemsize
+
+
 def _documents(D: Tensor, p: Plan) -> Tensor:
     """The documents as ``[n_docs, ld, dim]`` (a view of ``D``)."""
     return D[p.d0 : p.d0 + p.n_docs * p.ld].view(p.n_docs, p.ld, D.shape[1])
@@ -159,12 +166,10 @@ def _argmax_out(arg: Tensor, order: Tensor | None, rg: Ragged) -> Tensor:
 def forward(Q: Tensor, D: Tensor, normalize: bool, need_argmax: bool, rg: Ragged, p: Plan) -> tuple[Tensor, Tensor]:
     """Scores ``[1, P]`` (fp32; fp64 for fp64 inputs) and, if asked, the argmax ``[1, P, max_q]`` int32 (else
     ``[0]``) of the pair list ``rg`` planned as ``p``."""
-    P, dim, lq, ld, m = rg.pair_q.shape[0], Q.shape[1], p.lq, p.ld, p.m
+    P = rg.pair_q.shape[0]
     s = _sorted(rg, p)
     docs = _documents(D, p)
-    itemsize = torch.finfo(accum_dtype(Q.dtype)).bits // 8
-    per_doc = (m * lq * (ld + dim) + ld * dim) * itemsize
-    step = max(1, min(p.n_docs, BLOCK_BYTES // per_doc))
+    step = max(1, min(p.n_docs, BLOCK_BYTES // _bytes_a_document(Q, p)))
     parts = [
         _block(Q, docs, normalize, need_argmax, p, s, j0, min(p.n_docs, j0 + step)) for j0 in range(0, p.n_docs, step)
     ]
@@ -196,8 +201,7 @@ def forward_for_step(Q: Tensor, D: Tensor, normalize: bool, rg: Ragged) -> tuple
     if p is None:
         return None
     P = rg.pair_q.shape[0]
-    per_doc = (p.m * p.lq * (p.ld + Q.shape[1]) + p.ld * Q.shape[1]) * (torch.finfo(accum_dtype(Q.dtype)).bits // 8)
-    if P * p.lq * p.ld > STEP_MAX_WEIGHTS or p.n_docs * per_doc > BLOCK_BYTES:
+    if P * p.lq * p.ld > STEP_MAX_WEIGHTS or p.n_docs * _bytes_a_document(Q, p) > BLOCK_BYTES:
         return None
     s = _sorted(rg, p)
     scores, arg, Qs, sims_sum = _block(Q, _documents(D, p), False, True, p, s, 0, p.n_docs, keep_sum=True)
