@@ -23,7 +23,7 @@ import dataclasses
 import pytest
 import torch
 from helpers import spy
-from test_ragged import Ragged, build, check_ragged, lib_call, ref_call
+from test_ragged import Ragged, build, check_ragged, lib_call, ref_call, steps_without_and_with_argmax
 
 import maxsim
 from maxsim import cpu_by_document, cpu_ragged, cpu_small
@@ -250,20 +250,6 @@ def test_the_general_path_keeps_its_own_tests_when_disabled(monkeypatch):
 # a training step without the argmax returned: the query rows and choices kept for one-hot products
 
 
-def _step_grads(case: Ragged, b, Q: torch.Tensor, D: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
-    """``(scores, dQ, dD)`` of the training step of ``case`` without the argmax returned (the kept step, where
-    taken) and with it (the link list), under integer upstream weights."""
-    out = []
-    for return_argmax in (False, True):
-        Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
-        with maxsim.backend("torch"):
-            res = lib_call(dataclasses.replace(case, return_argmax=return_argmax), b, Qg, Dg)
-        s = res[0] if return_argmax else res
-        weights = (torch.arange(s.numel(), dtype=s.dtype) % 5 - 2).view(s.shape)
-        out.append((s.detach(), *torch.autograd.grad(s, (Qg, Dg), weights)))
-    return out
-
-
 @pytest.fixture
 def kept(monkeypatch) -> list[bool]:
     """Whether each step of this path kept its state."""
@@ -277,7 +263,7 @@ def test_random_steps_keep_their_choices(seed, kept):
     query's rows add in another order otherwise), and the float64 reference's; ``normalize`` keeps nothing."""
     case = dataclasses.replace(_by_document_case(seed), exact=seed % 2 == 0, noncontig=False)
     b = build(case, "cpu")
-    step, links = _step_grads(case, b, b.Q, b.D)
+    step, links = steps_without_and_with_argmax(case, b, b.Q, b.D)
     for name, x, y in zip(("scores", "dQ", "dD"), step, links, strict=True):
         if case.exact:
             assert x.dtype == y.dtype and torch.equal(x, y), f"{name}: {x.tolist()} != {y.tolist()}"
@@ -297,7 +283,7 @@ def test_steps_keep_their_choices_past_the_first_row(kept):
     nan = torch.full((2, 8), float("nan"))
     shifted = dataclasses.replace(b, cu_d=b.cu_d + 2)
     D = torch.cat([nan, b.D, nan])
-    step, links = _step_grads(case, shifted, b.Q, D)
+    step, links = steps_without_and_with_argmax(case, shifted, b.Q, D)
     for name, x, y in zip(("scores", "dQ", "dD"), step, links, strict=True):
         assert torch.equal(x, y), f"{name}: {x.tolist()} != {y.tolist()}"
     assert not bool(step[2][:2].any()) and not bool(step[2][-2:].any())
@@ -311,7 +297,7 @@ def test_a_token_that_is_not_finite_takes_the_link_list(kept):
     b = build(case, "cpu")
     Q, D = b.Q.abs() + 1, b.D.clone()  # (positive query tokens: a -inf component makes a similarity -inf)
     D[1, 0] = float("-inf")
-    step, links = _step_grads(case, b, Q, D)
+    step, links = steps_without_and_with_argmax(case, b, Q, D)
     for name, x, y in zip(("scores", "dQ", "dD"), step, links, strict=True):
         assert torch.equal(x, y), f"{name}: {x.tolist()} != {y.tolist()}"
     assert bool(torch.isfinite(step[1]).all() and torch.isfinite(step[2]).all())
@@ -333,7 +319,7 @@ def test_steps_above_the_bound_or_with_the_argmax_keep_nothing(kept, monkeypatch
     case = Ragged((3, 4), (5, 5, 5), pairs=((0, 0), (1, 1), (1, 2)), dim=8)
     monkeypatch.setattr(cpu_by_document, "STEP_MAX_WEIGHTS", 3 * 4 * 5 - 1)  # (one weight short)
     b = build(case, "cpu")
-    step, links = _step_grads(case, b, b.Q, b.D)
+    step, links = steps_without_and_with_argmax(case, b, b.Q, b.D)
     assert kept == [False]  # (the step with the argmax returned never asks)
     for x, y in zip(step, links, strict=True):
         assert torch.equal(x, y)

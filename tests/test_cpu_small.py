@@ -28,7 +28,7 @@ import pytest
 import torch
 from helpers import general_cpu_path_only, spy
 from test_cpu_pairs import EXACT_CASES, _random_case
-from test_ragged import Ragged, build, check_ragged, lib_call, ref_call
+from test_ragged import Ragged, build, check_ragged, lib_call, ref_call, steps_without_and_with_argmax
 
 import maxsim
 from maxsim import cpu_by_document, cpu_small
@@ -296,19 +296,10 @@ def test_products_fall_back_to_the_rows_for_a_token_that_is_not_finite(fn, monke
 
 
 def _steps(case: Ragged, b, Q: torch.Tensor, D: torch.Tensor, monkeypatch) -> tuple[list, list]:
-    """The training step of ``case`` on tokens ``Q``, ``D`` without the argmax returned (the kept choices, where
-    :func:`cpu_small.cross_forward_for_step` takes it) and with it (the argmax grid and its links): for each,
-    ``(scores, dQ, dD)`` under integer upstream weights. Also whether the kept path took each call."""
+    """:func:`steps_without_and_with_argmax` (the kept choices, where :func:`cpu_small.cross_forward_for_step` takes
+    the call, and the argmax grid with its links), and whether the kept path took each call."""
     kept = spy(monkeypatch, cpu_small, "cross_forward_for_step", lambda args, out: out is not None)
-    results = []
-    for return_argmax in (False, True):
-        Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
-        with maxsim.backend("torch"):
-            out = lib_call(dataclasses.replace(case, return_argmax=return_argmax), b, Qg, Dg)
-        s = out[0] if return_argmax else out
-        weights = (torch.arange(s.numel(), dtype=s.dtype) % 5 - 2).view(s.shape)
-        results.append((s.detach(), *torch.autograd.grad(s, (Qg, Dg), weights)))
-    return results, kept
+    return steps_without_and_with_argmax(case, b, Q, D), kept
 
 
 def _same(name: str, x: torch.Tensor, y: torch.Tensor) -> None:

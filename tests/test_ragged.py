@@ -170,6 +170,21 @@ def lib_call(case: Ragged, b: Built, Q=None, D=None):
     return maxsim.maxsim_pairs_varlen(Q, D, b.cu_q, b.cu_d, b.pair_q, b.pair_d, **kw)
 
 
+def steps_without_and_with_argmax(case: Ragged, b: Built, Q, D) -> list[tuple[torch.Tensor, ...]]:
+    """``(scores, dQ, dD)`` of the PyTorch path's training step of ``case`` on tokens ``Q``, ``D``, without the
+    argmax returned (where a ragged CPU path keeps its own state for the backward) and with it, under integer upstream
+    weights."""
+    out = []
+    for return_argmax in (False, True):
+        Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+        with maxsim.backend("torch"):
+            res = lib_call(dataclasses.replace(case, return_argmax=return_argmax), b, Qg, Dg)
+        s = res[0] if return_argmax else res
+        weights = (torch.arange(s.numel(), dtype=s.dtype) % 5 - 2).view(s.shape)
+        out.append((s.detach(), *torch.autograd.grad(s, (Qg, Dg), weights)))
+    return out
+
+
 def ref_call(case: Ragged, b: Built, Q, D):
     """float64 (scores, argmax int64) of the reference, argmax padded to ``width_q``."""
     kw = dict(max_seqlen_q=case.width_q(), max_seqlen_d=case.width_d(), normalize=case.normalize)
