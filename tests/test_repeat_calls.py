@@ -300,3 +300,184 @@ def test_cpu_plain_scores_decisions(sizes, name):
     Q = int_grid((q, Lq, dim), seed=3)
     D = int_grid((b, k, Ld, dim), seed=4)
     torch.testing.assert_close(fn(Q, D), maxsim_reference(Q, D if b > 1 else D[0]), rtol=0, atol=0)
+
+
+# ---- repeated training calls of the Triton path: one autograd Function over the kept plans (v118) ----------------
+
+
+@pytest.fixture
+def backward_plans(monkeypatch):
+    """Counts how often a backward plan is looked up by its full key (what a repeated step does without)."""
+    from maxsim.kernels import launch
+
+    monkeypatch.setattr(launch, "_bplans", {})
+    return spy(monkeypatch, launch, "_backward_plan_of")
+
+
+def _train(fn, Q, D, g=None, **kw):
+    """Scores and the gradients of ``(scores * g).sum()`` (``g`` None: of ``scores.sum()``, an expanded upstream
+    gradient) through ``fn``, on fresh leaves."""
+    Qg, Dg = Q.detach().clone().requires_grad_(), D.detach().clone().requires_grad_()
+    s = fn(Qg, Dg, **kw)
+    dQ, dD = torch.autograd.grad(s.sum(), (Qg, Dg)) if g is None else torch.autograd.grad(s, (Qg, Dg), g)
+    return s.detach(), dQ, dD
+
+
+def _reference_train(fn, Q, D, g, normalize=False):
+    """:func:`_train` of the reference in float64."""
+    Qr, Dr = Q.detach().double().requires_grad_(), D.detach().double().requires_grad_()
+    s = fn(Qr, Dr, normalize=normalize)
+    dQ, dD = torch.autograd.grad(s, (Qr, Dr), g.double())
+    return s, dQ, dD
+
+
+def _assert_step_equal(got, want, tol=0.0):
+    for name, a, b in zip(("scores", "dQ", "dD"), got, want, strict=True):
+        assert a.shape == b.shape, f"{name}: {tuple(a.shape)} against {tuple(b.shape)}"
+        torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_a_repeated_training_call_skips_to_the_plans(triton_only, plan_keys, backward_plans, device):
+    """The second step of a signature builds no forward key, the third no backward key either; every step is the
+    reference's, exactly (integer tokens)."""
+    for i, seed in enumerate((1, 5, 9)):
+        Q, D = _inputs(device, seed=seed)
+        g = int_grid((3, 4), seed=seed + 2, device=device)
+        got = _train(maxsim.maxsim, Q, D, g)
+        assert len(plan_keys) == 2, f"step {i}: the forward built its key"
+        assert len(backward_plans) == min(i + 1, 2), f"step {i}: backward keys {len(backward_plans)}"
+        _assert_step_equal(got, _reference_train(maxsim_reference, Q, D, g))
+
+
+@pytest.mark.parametrize("shape", ["cross", "candidates", "one query", "one document", "one of each", "pairs"])
+def test_repeated_steps_of_every_dense_shape_train_as_the_reference(shape, triton_only, plan_keys, device):
+    """In the caller's shapes (squeezed axes included), through the views the first call kept."""
+    fn, ref = (maxsim.maxsim_pairs, pairs_reference) if shape == "pairs" else (maxsim.maxsim, maxsim_reference)
+    for seed in (1, 5):
+        Q, D = _inputs(device, nd=3 if shape == "pairs" else 4, seed=seed)
+        if shape == "candidates":
+            D = torch.stack([D, D.flip(0), D * 2])  # [Nq = 3, K = 4, Ld, dim]
+        Q = Q[0] if shape in ("one query", "one of each") else Q
+        D = D[1] if shape in ("one document", "one of each") else D
+        want = _reference_train(ref, Q, D, int_grid(ref(Q.double(), D.double()).shape, seed=seed, device=device))
+        g = int_grid(want[0].shape, seed=seed, device=device)
+        _assert_step_equal(_train(fn, Q, D, g), want)
+    assert len(plan_keys) == 2  # (the first call's lookup and filing; the second call is a repeat)
+
+
+def test_a_repeated_step_takes_any_upstream_gradient(triton_only, backward_plans, device):
+    """A contiguous, an expanded (``scores.sum()``) and a transposed upstream gradient: each its own backward plan,
+    filed once, each as the reference."""
+    from maxsim.kernels import launch
+
+    Q, D = _inputs(device)
+    g = int_grid((3, 4), seed=3, device=device)
+    layouts = (g, None, g.t().contiguous().t())  # (contiguous, expanded, transposed)
+    for _ in range(2):
+        for gl in layouts:
+            want = _reference_train(maxsim_reference, Q, D, torch.ones(3, 4, device=device) if gl is None else gl)
+            _assert_step_equal(_train(maxsim.maxsim, Q, D, gl), want)
+    step_keys = [k for k in launch._bplans if isinstance(k[0], launch.StepPlan)]
+    assert sorted(k[1] for k in step_keys) == sorted({(4, 1), (0, 0), (1, 3)}), step_keys
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype", "normalize", "deterministic", "auto deterministic"])
+def test_a_step_that_differs_takes_the_full_path(change, triton_only, plan_keys, device):
+    from maxsim.kernels import launch
+
+    Q, D = _inputs(device)
+    g = int_grid((3, 4), seed=3, device=device)
+    _train(maxsim.maxsim, Q, D, g)
+    n = len(plan_keys)
+    kw: dict = {}
+    if change == "shape":
+        Q, D = _inputs(device, nd=5)
+        g = int_grid((3, 5), seed=3, device=device)
+    elif change == "dtype":
+        Q, D = _inputs(device, dtype=torch.float32)
+    elif change == "normalize":
+        kw["normalize"] = True
+    elif change == "deterministic":
+        kw["backward"] = "deterministic"
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        if change == "auto deterministic":
+            torch.use_deterministic_algorithms(True)
+        for _ in range(2):
+            got = _train(maxsim.maxsim, Q, D, g, **kw)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    assert len(plan_keys) == n + 2, f"{change}: {len(plan_keys) - n} forward keys for two steps"
+    steps = [plan for key, plan in launch._plans.items() if key[0] == "step"]
+    assert len(steps) == 2
+    assert steps[1].deterministic == change.endswith("deterministic")
+    tol = 1e-3 if change == "normalize" else 0.0  # (normalized fp16 tokens are rounded; integers are not)
+    want = _reference_train(maxsim_reference, Q, D, g, normalize=kw.get("normalize", False))
+    _assert_step_equal(got, want, tol)
+
+
+def test_a_repeated_normalized_step_keeps_the_inverse_norms(triton_only, device):
+    Q = torch.randn(3, 5, 16, device=device)
+    D = torch.randn(4, 9, 16, device=device)
+    g = torch.randn(3, 4, device=device)
+    for _ in range(2):
+        got = _train(maxsim.maxsim, Q, D, g, normalize=True)
+    _assert_step_equal(got, _reference_train(maxsim_reference, Q, D, g, normalize=True), 1e-4)
+
+
+@pytest.mark.parametrize("needs", ["Q", "D"])
+def test_a_repeated_step_of_one_input_that_requires_grad(needs, triton_only, plan_keys, device):
+    Q, D = _inputs(device)
+    g = int_grid((3, 4), seed=3, device=device)
+    want = _reference_train(maxsim_reference, Q, D, g)
+    for _ in range(2):
+        x = (Q if needs == "Q" else D).clone().requires_grad_()
+        s = maxsim.maxsim(x, D) if needs == "Q" else maxsim.maxsim(Q, x)
+        (grad,) = torch.autograd.grad(s, x, g)
+    assert len(plan_keys) == 2
+    torch.testing.assert_close(grad.double(), want[1 if needs == "Q" else 2], rtol=0, atol=0)
+
+
+def test_repeated_steps_in_one_graph(triton_only, plan_keys, device):
+    """Two repeated calls in one loss, its backward run twice (retain_graph): each call keeps its own argmax."""
+    Q, D = _inputs(device)
+    Q2, D2 = _inputs(device, seed=5)
+    g = int_grid((3, 4), seed=3, device=device)
+    _train(maxsim.maxsim, Q, D, g)
+    leaves = [x.clone().requires_grad_() for x in (Q, D, Q2, D2)]
+    loss = (maxsim.maxsim(leaves[0], leaves[1]) * g).sum() + (maxsim.maxsim(leaves[2], leaves[3]) * g).sum()
+    first = torch.autograd.grad(loss, leaves, retain_graph=True)
+    second = torch.autograd.grad(loss, leaves)
+    assert len(plan_keys) == 2
+    want = _reference_train(maxsim_reference, Q, D, g)[1:] + _reference_train(maxsim_reference, Q2, D2, g)[1:]
+    for a, b, w in zip(first, second, want, strict=True):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a.double(), w, rtol=0, atol=0)
+
+
+def test_step_entries_go_with_the_plans(triton_only, plan_keys, backward_plans, device):
+    """Clearing the forward plans clears the step entries; clearing the backward plans, their backward plans."""
+    from maxsim.kernels import launch
+
+    Q, D = _inputs(device)
+    g = int_grid((3, 4), seed=3, device=device)
+    for _ in range(2):
+        _train(maxsim.maxsim, Q, D, g)
+    assert (len(plan_keys), len(backward_plans)) == (2, 2)
+    launch._bplans.clear()
+    _train(maxsim.maxsim, Q, D, g)
+    assert (len(plan_keys), len(backward_plans)) == (2, 3)
+    launch._plans.clear()
+    got = _train(maxsim.maxsim, Q, D, g)
+    assert len(plan_keys) == 4
+    _assert_step_equal(got, _reference_train(maxsim_reference, Q, D, g))
+
+
+def test_no_grad_calls_of_leaves_that_require_grad_repeat_as_inference(triton_only, device):
+    Q, D = (x.requires_grad_() for x in _inputs(device))
+    with torch.no_grad():
+        maxsim.maxsim(Q, D)
+        assert ops.repeat_key(Q, D, False, "auto")[0] == "repeat"
+    assert ops.repeat_key(Q, D, False, "auto")[0] == "step"
+    with maxsim.backend("torch"):
+        assert ops.repeat_key(Q.cpu(), D.cpu(), False, "auto") is None  # (the PyTorch path's steps: full path)

@@ -43,7 +43,7 @@ def _run(
     impl, det = choose_impl(Q), _deterministic(backward)
     out = ops.maxsim_canonical(Q, D, q_mask, d_mask, normalize, impl, det, None, return_argmax, views)
     if repeat is not None:
-        ops.keep_repeat(repeat, Q, D, normalize, views)
+        ops.keep_repeat(repeat, Q, D, normalize, views, det)
     return out
 
 

@@ -33,13 +33,15 @@ def _triton_path():
     return _launch
 
 
-# ---- repeated inference calls ----------------------------------------------------------------------------------
+# ---- repeated calls ---------------------------------------------------------------------------------------------
 # A mask-free scores-only call of maxsim.maxsim or maxsim.maxsim_pairs whose signature (function, shapes, strides,
 # dtypes, devices, options, backend) an earlier call had, and which then ran a kept launch plan, was well-formed then
 # and is now: it goes straight to the plan's allocations and launch, without the checks, the layout and the layers
 # between (host time of a tiny forward: see docs/performance.md v68). On the CPU the same holds for the PyTorch
 # path's one-block forward without normalize: the repeat runs :func:`maxsim.cpu.plain_scores`'s ops, its decisions
-# (and the settings they read, part of the signature) taken by the first call (v112, pairs v115).
+# (and the settings they read, part of the signature) taken by the first call (v112, pairs v115). A training call
+# of the Triton path (an input that requires grad) repeats the same way through :class:`_RepeatedStep`, its backward
+# plan found without its key (v118): the small training step is host time.
 
 CPU_REPEATS_MAX = 256
 """Signatures of CPU calls kept for repeats; past this many, the store starts over."""
@@ -54,29 +56,47 @@ def repeat_key(Q: object, D: object, normalize: object, backward: object, functi
     compilation, a CPU call with ``normalize``)."""
     if not (isinstance(Q, Tensor) and isinstance(D, Tensor) and type(normalize) is bool and type(backward) is str):
         return None
-    on_cpu = Q.device.type == "cpu"
-    if (on_cpu and normalize) or (_launch is None and not on_cpu):  # (no Triton call yet: nothing filed for it)
-        return None
-    if (torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)) or torch.compiler.is_compiling():
+    on_cpu = Q.is_cpu
+    if (_launch is None and not on_cpu) or torch.compiler.is_compiling():  # (no Triton call yet: nothing filed)
         return None
     f32 = torch.get_float32_matmul_precision() if Q.dtype is torch.float32 else None
+    backend = get_backend()
+    if torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad):
+        if on_cpu and backend != "triton":  # (the PyTorch path's steps keep states of their own: the full path)
+            return None
+        deterministic = backward == "deterministic" or (
+            backward == "auto" and torch.are_deterministic_algorithms_enabled()
+        )
+        return ("step", function, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype, Q.device, D.device,
+                normalize, backward, deterministic, backend, f32)  # fmt: skip
+    if on_cpu and normalize:
+        return None
     return ("repeat", function, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype, Q.device, D.device,
-            normalize, backward, get_backend(), f32, cpu.plain_settings() if on_cpu else None)  # fmt: skip
+            normalize, backward, backend, f32, cpu.plain_settings() if on_cpu else None)  # fmt: skip
 
 
 def run_repeat(key: tuple, Q: Tensor, D: Tensor) -> Tensor | None:
     """The scores of a repeated call (see above), or None if no earlier call filed its signature."""
+    if key[0] == "step":
+        step = None if _launch is None else _launch.step_plan(key)
+        return None if step is None else _RepeatedStep.apply(Q, D, step)
     run = _cpu_repeats.get(key)
     if run is not None:
         return run(Q, D)
     return None if _launch is None else _launch.run_repeat(key, Q, D)
 
 
-def keep_repeat(key: tuple, Q: Tensor, D: Tensor, normalize: bool, views: Views) -> None:
+def keep_repeat(key: tuple, Q: Tensor, D: Tensor, normalize: bool, views: Views, deterministic: bool) -> None:
     """After the full path of a call with signature ``key`` (:func:`repeat_key`): file its launch plan, if the
-    Triton path ran and kept one, or the PyTorch path's one-block forward (:func:`maxsim.cpu.plain_scores`)."""
+    Triton path ran and kept one (a training call's: the forward's with the argmax, and the backward's options), or
+    the PyTorch path's one-block forward (:func:`maxsim.cpu.plain_scores`)."""
     if choose_impl(Q) == "triton":
-        _launch.keep_repeat(key, Q, D, normalize, views)
+        if key[0] == "step":
+            _launch.keep_step(key, Q, D, normalize, deterministic, views)
+        else:
+            _launch.keep_repeat(key, Q, D, normalize, views)
+        return
+    if key[0] == "step":
         return
     Qc, Dc = _in_views(Q, D, views)
     if Q.device.type != "cpu" or normalize or Qc.numel() == 0 or Dc.numel() == 0 or not cpu.one_block(Qc, Dc):
@@ -327,6 +347,29 @@ class _MaxSimFunction(torch.autograd.Function):
         normalize, impl, deterministic, rg, views = ctx.call
         kept = ctx.kept or tuple(kept) or None
         dQ, dD = backward_impl(grad_scores, Q, D, argmax, normalize, deterministic, impl, rg, kept, views)
+        return dQ, dD, None
+
+
+class _RepeatedStep(torch.autograd.Function):
+    """A repeated training call of the Triton path (:func:`repeat_key`): ``apply(Q, D, step)`` -> the scores, with
+    ``step`` the :class:`maxsim.kernels.launch.StepPlan` an earlier call of the signature filed. The same kernels as
+    :class:`_MaxSimFunction`'s, without the layers between; the argmax (and the inverse norms of ``normalize``) are
+    saved, not returned."""
+
+    @staticmethod
+    def forward(ctx, Q, D, step):
+        scores, argmax, norms = _launch.step_forward(step, Q, D)
+        ctx.save_for_backward(Q, D, argmax, *(norms or ()))
+        ctx.step = step
+        ctx.set_materialize_grads(False)
+        return scores
+
+    @staticmethod
+    def backward(ctx, grad_scores):
+        if grad_scores is None:
+            return None, None, None
+        Q, D, argmax, *norms = ctx.saved_tensors
+        dQ, dD = _launch.step_backward(ctx.step, grad_scores, Q, D, argmax, tuple(norms) or None)
         return dQ, dD, None
 
 

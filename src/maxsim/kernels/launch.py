@@ -450,6 +450,54 @@ def run_repeat(key: tuple, Q: Tensor, D: Tensor) -> Tensor | None:
     return _run_forward(plan, Q, D, None, None, (Q, Q, Q, Q), False)[0]
 
 
+class StepPlan:
+    """A repeated training call's plans (:func:`keep_step`): the forward's, which saves the argmax, and the options
+    the backward takes. Its backward plans are filed among the backward plans under ``(step plan, grad strides)``,
+    so that whatever clears those clears them too. Hashed by identity."""
+
+    __slots__ = ("forward", "normalize", "deterministic", "views")
+
+    def __init__(self, forward: _ForwardPlan, normalize: bool, deterministic: bool, views: Views | None) -> None:
+        self.forward, self.normalize, self.deterministic, self.views = forward, normalize, deterministic, views
+
+
+def keep_step(key: tuple, Q: Tensor, D: Tensor, normalize: bool, deterministic: bool, views: Views | None) -> None:
+    """As :func:`keep_repeat`, for a mask-free training call whose forward (with the argmax) has just kept its plan:
+    a repeat of the call then runs :func:`step_forward` and :func:`step_backward`."""
+    plan = _plans.get(_plan_key(Q, D, None, None, normalize, True, None, views))
+    if plan is not None:
+        _plans[key] = StepPlan(plan, normalize, deterministic, views)
+
+
+def step_plan(key: tuple) -> StepPlan | None:
+    """The step plan filed under ``key`` by :func:`keep_step`, or None."""
+    return _plans.get(key)
+
+
+def step_forward(step: StepPlan, Q: Tensor, D: Tensor) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
+    """Scores, argmax and inverse norms (as :func:`forward_keeping_norms`) of a repeated training call: the
+    forward plan's allocations and launches only."""
+    return _run_forward(step.forward, Q, D, None, None, (Q, Q, Q, Q), True)
+
+
+def step_backward(
+    step: StepPlan, grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, norms: tuple[Tensor, Tensor] | None
+) -> tuple[Tensor, Tensor]:
+    """:func:`backward` after :func:`step_forward`: the backward plan of these gradient strides found without its
+    key where an earlier step filed it (``grad`` fp32; else the full :func:`backward`)."""
+    if grad.dtype != torch.float32:
+        return backward(grad, Q, D, argmax, step.normalize, step.deterministic, None, norms, step.views)
+    bkey = (step, grad.stride())
+    plan = _bplans.get(bkey)
+    if plan is None:
+        # (Q and D are last-dim contiguous: the forward files no plan for other tensors; never empty either)
+        plan = _backward_plan_of(grad, Q, D, step.normalize, step.deterministic, None, step.views)
+        if len(_bplans) >= _MAX_PLANS:
+            _bplans.clear()
+        _bplans[bkey] = plan
+    return _run_backward(plan, grad, Q, D, argmax, step.normalize, None, norms)
+
+
 def forward(*args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
     """Scores and argmax: :func:`forward_keeping_norms` (same arguments) without the inverse norms."""
     scores, argmax, _norms = forward_keeping_norms(*args, **kwargs)
@@ -993,6 +1041,18 @@ def backward(
     Q, D = _last_dim_contiguous(Q), _last_dim_contiguous(D)
     if grad.dtype != torch.float32:
         grad = grad.to(torch.float32)
+    plan = _backward_plan_of(grad, Q, D, normalize, deterministic, rg, views)
+    if plan is None:
+        return torch.zeros_like(Q), torch.zeros_like(D)
+    return _run_backward(plan, grad, Q, D, argmax, normalize, rg, norms)
+
+
+def _backward_plan_of(
+    grad: Tensor, Q: Tensor, D: Tensor, normalize: bool, deterministic: bool, rg: Ragged | None,
+    views: Views | None,
+) -> _BackwardPlan | None:  # fmt: skip
+    """The backward plan of these arguments (:func:`backward`'s, ``grad`` fp32 and ``Q``, ``D`` last-dim
+    contiguous), made and filed on the first call of a key; None for a problem without work."""
     key = (
         Q.device, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype, grad.shape, grad.stride(), views,
         normalize, deterministic, torch.get_float32_matmul_precision() if Q.dtype == torch.float32 else None,
@@ -1007,11 +1067,19 @@ def backward(
         Qc, Dc = (Q, D) if views is None else (view_as_canonical(Q, views.q), view_as_canonical(D, views.d))
         Nq, Lq, Bd, K, Ld, dim = dims(Qc, Dc, rg)
         if Nq == 0 or K == 0 or Lq == 0 or Ld == 0:
-            return torch.zeros_like(Q), torch.zeros_like(D)
+            return None
         plan = _backward_plan(grad, Qc, Dc, normalize, deterministic, rg, _segs(Qc, Dc, rg))
         if len(_bplans) >= _MAX_PLANS:
             _bplans.clear()
         _bplans[key] = plan
+    return plan
+
+
+def _run_backward(
+    plan: _BackwardPlan, grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, normalize: bool, rg: Ragged | None,
+    norms: tuple[Tensor, Tensor] | None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """:func:`backward` with its plan: the allocations and launches."""
     if plan.grad_contiguous:
         grad = grad.contiguous()
     if normalize:
