@@ -451,14 +451,15 @@ def run_repeat(key: tuple, Q: Tensor, D: Tensor) -> Tensor | None:
 
 
 class StepPlan:
-    """A repeated training call's plans (:func:`keep_step`): the forward's, which saves the argmax, and the options
-    the backward takes. Its backward plans are filed among the backward plans under ``(step plan, grad strides)``,
-    so that whatever clears those clears them too. Hashed by identity."""
+    """A repeated training call's plans (:func:`keep_step`): the forward's, which saves the argmax, the options the
+    backward takes, and the full keys of its backward plans by the upstream gradient's strides (the plans stay among
+    the backward plans, so that whatever clears those clears them for the step too)."""
 
-    __slots__ = ("forward", "normalize", "deterministic", "views")
+    __slots__ = ("forward", "normalize", "deterministic", "views", "backward_keys")
 
     def __init__(self, forward: _ForwardPlan, normalize: bool, deterministic: bool, views: Views | None) -> None:
         self.forward, self.normalize, self.deterministic, self.views = forward, normalize, deterministic, views
+        self.backward_keys: dict[tuple, tuple] = {}
 
 
 def keep_step(key: tuple, Q: Tensor, D: Tensor, normalize: bool, deterministic: bool, views: Views | None) -> None:
@@ -483,18 +484,17 @@ def step_forward(step: StepPlan, Q: Tensor, D: Tensor) -> tuple[Tensor, Tensor, 
 def step_backward(
     step: StepPlan, grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, norms: tuple[Tensor, Tensor] | None
 ) -> tuple[Tensor, Tensor]:
-    """:func:`backward` after :func:`step_forward`: the backward plan of these gradient strides found without its
-    key where an earlier step filed it (``grad`` fp32; else the full :func:`backward`)."""
+    """:func:`backward` after :func:`step_forward`: the backward plan of these gradient strides by the key an earlier
+    step built for them (``grad`` fp32; else the full :func:`backward`)."""
     if grad.dtype != torch.float32:
         return backward(grad, Q, D, argmax, step.normalize, step.deterministic, None, norms, step.views)
-    bkey = (step, grad.stride())
-    plan = _bplans.get(bkey)
+    strides = grad.stride()
+    key = step.backward_keys.get(strides)
+    plan = None if key is None else _bplans.get(key)
     if plan is None:
-        # (Q and D are last-dim contiguous: the forward files no plan for other tensors; never empty either)
-        plan = _backward_plan_of(grad, Q, D, step.normalize, step.deterministic, None, step.views)
-        if len(_bplans) >= _MAX_PLANS:
-            _bplans.clear()
-        _bplans[bkey] = plan
+        # (Q and D are last-dim contiguous, as the forward files no plan for others, and the problem is not empty)
+        key, plan = _backward_plan_of(grad, Q, D, step.normalize, step.deterministic, None, step.views)
+        step.backward_keys[strides] = key
     return _run_backward(plan, grad, Q, D, argmax, step.normalize, None, norms)
 
 
@@ -1041,7 +1041,7 @@ def backward(
     Q, D = _last_dim_contiguous(Q), _last_dim_contiguous(D)
     if grad.dtype != torch.float32:
         grad = grad.to(torch.float32)
-    plan = _backward_plan_of(grad, Q, D, normalize, deterministic, rg, views)
+    _key, plan = _backward_plan_of(grad, Q, D, normalize, deterministic, rg, views)
     if plan is None:
         return torch.zeros_like(Q), torch.zeros_like(D)
     return _run_backward(plan, grad, Q, D, argmax, normalize, rg, norms)
@@ -1050,9 +1050,9 @@ def backward(
 def _backward_plan_of(
     grad: Tensor, Q: Tensor, D: Tensor, normalize: bool, deterministic: bool, rg: Ragged | None,
     views: Views | None,
-) -> _BackwardPlan | None:  # fmt: skip
-    """The backward plan of these arguments (:func:`backward`'s, ``grad`` fp32 and ``Q``, ``D`` last-dim
-    contiguous), made and filed on the first call of a key; None for a problem without work."""
+) -> tuple[tuple, _BackwardPlan | None]:  # fmt: skip
+    """The key and the backward plan of these arguments (:func:`backward`'s, ``grad`` fp32 and ``Q``, ``D`` last-dim
+    contiguous), the plan made and filed on the first call of a key; None for a problem without work."""
     key = (
         Q.device, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype, grad.shape, grad.stride(), views,
         normalize, deterministic, torch.get_float32_matmul_precision() if Q.dtype == torch.float32 else None,
@@ -1067,12 +1067,12 @@ def _backward_plan_of(
         Qc, Dc = (Q, D) if views is None else (view_as_canonical(Q, views.q), view_as_canonical(D, views.d))
         Nq, Lq, Bd, K, Ld, dim = dims(Qc, Dc, rg)
         if Nq == 0 or K == 0 or Lq == 0 or Ld == 0:
-            return None
+            return key, None
         plan = _backward_plan(grad, Qc, Dc, normalize, deterministic, rg, _segs(Qc, Dc, rg))
         if len(_bplans) >= _MAX_PLANS:
             _bplans.clear()
         _bplans[key] = plan
-    return plan
+    return key, plan
 
 
 def _run_backward(
