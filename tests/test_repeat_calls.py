@@ -365,7 +365,7 @@ def test_repeated_steps_of_every_dense_shape_train_as_the_reference(shape, trito
     assert len(plan_keys) == 2  # (the first call's lookup and filing; the second call is a repeat)
 
 
-def test_a_repeated_step_takes_any_upstream_gradient(triton_only, backward_plans, device):
+def test_a_repeated_step_takes_any_upstream_gradient(triton_only, plan_keys, backward_plans, device):
     """A contiguous, an expanded (``scores.sum()``) and a transposed upstream gradient: each its own backward plan,
     filed once, each as the reference."""
     from maxsim.kernels import launch
