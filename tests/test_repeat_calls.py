@@ -1,13 +1,16 @@
-"""Repeated inference calls of ``maxsim.maxsim`` and ``maxsim.maxsim_pairs`` (``ops.repeat_key``): a mask-free
-scores-only call whose signature an earlier call had goes straight to that call's launch plan. It must give what the
-full path gives, take the full path whenever anything the plan depends on differs, and never skip a check that the
-call would fail."""
+"""Repeated calls of ``maxsim.maxsim`` and ``maxsim.maxsim_pairs`` (``ops.repeat_key``): a scores-only call whose
+signature an earlier call had goes straight to that call's launch plan (a training call: to its forward plan and its
+backward plan, through one autograd Function), masks read where the caller holds them. It must give what the full
+path gives, take the full path whenever anything the plans depend on differs, and never skip a check that the call
+would fail."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
-from helpers import int_grid, spy, triton_usable
+from helpers import int_grid, rand_mask, spy, triton_usable
 
 import maxsim
 from maxsim import ops
@@ -482,3 +485,74 @@ def test_no_grad_calls_of_leaves_that_require_grad_repeat_as_inference(triton_on
     assert ops.repeat_key(Q, D, False, "auto")[0] == "step"
     with maxsim.backend("torch"):
         assert ops.repeat_key(Q.cpu(), D.cpu(), False, "auto") is None  # (the PyTorch path's steps: full path)
+
+
+# ---- masks: their shapes, strides, dtypes and devices in the signature, their values read by the launch -------------
+
+
+def _masks(Q, D, seed):
+    """A query mask and a document mask with holes (every query and document keeps a token: the reference's
+    fully masked rows are tested elsewhere)."""
+    q_mask = rand_mask(Q.shape[:-1], seed=seed, device=Q.device)
+    d_mask = rand_mask(D.shape[:-1], seed=seed + 1, device=D.device)
+    q_mask[..., 0] = True
+    d_mask[..., -1] = True
+    return q_mask, d_mask
+
+
+@pytest.mark.parametrize("shape", ["cross", "candidates", "one query", "one document", "pairs"])
+@pytest.mark.parametrize("mode", ["infer", "train"])
+def test_masked_calls_repeat_with_their_own_mask_values(shape, mode, triton_only, plan_keys, device):
+    """The second call of a masked signature skips to the plan with other tokens and other mask values, and is the
+    reference's (exactly, integer tokens) in both modes."""
+    fn, ref = (maxsim.maxsim_pairs, pairs_reference) if shape == "pairs" else (maxsim.maxsim, maxsim_reference)
+    for seed in (1, 5):
+        Q, D = _inputs(device, nd=3 if shape == "pairs" else 4, seed=seed)
+        if shape == "candidates":
+            D = torch.stack([D, D.flip(0), D * 2])
+        Q = Q[0] if shape == "one query" else Q
+        D = D[1] if shape == "one document" else D
+        q_mask, d_mask = _masks(Q, D, seed)
+        kw = dict(q_mask=q_mask, d_mask=d_mask)
+        g = int_grid(ref(Q.double(), D.double()).shape, seed=seed, device=device)
+        want = _reference_train(functools.partial(ref, **kw), Q, D, g)
+        if mode == "infer":
+            with torch.no_grad():
+                got = fn(Q, D, **kw)
+            torch.testing.assert_close(got.double(), want[0], rtol=0, atol=0)
+        else:
+            _assert_step_equal(_train(functools.partial(fn, **kw), Q, D, g), want)
+    assert len(plan_keys) == 2  # (the first call's lookup and filing only)
+
+
+@pytest.mark.parametrize("change", ["strides", "only d_mask", "dtype"])
+def test_a_mask_that_differs_takes_the_full_path(change, triton_only, plan_keys, device):
+    Q, D = _inputs(device)
+    q_mask, d_mask = _masks(Q, D, 3)
+    with torch.no_grad():
+        maxsim.maxsim(Q, D, q_mask=q_mask, d_mask=d_mask)
+        n = len(plan_keys)
+        if change == "strides":  # (the same values, every other column of a wider mask)
+            wide = torch.zeros(4, 18, dtype=torch.bool, device=device)
+            wide[:, ::2] = d_mask
+            d_mask = wide[:, ::2]
+        elif change == "only d_mask":
+            q_mask = None
+        if change == "dtype":
+            with pytest.raises((TypeError, ValueError), match="d_mask"):
+                maxsim.maxsim(Q, D, q_mask=q_mask, d_mask=d_mask.to(torch.uint8))
+            return
+        got = maxsim.maxsim(Q, D, q_mask=q_mask, d_mask=d_mask)
+    assert len(plan_keys) > n
+    torch.testing.assert_close(got.double(), maxsim_reference(Q.double(), D.double(), q_mask, d_mask), rtol=0, atol=0)
+
+
+def test_masked_cpu_calls_are_never_repeated():
+    Q, D = _cpu_inputs("cross")
+    q_mask, d_mask = _masks(Q, D, 3)
+    with torch.no_grad():
+        assert ops.repeat_key(Q, D, False, "auto", "maxsim", q_mask, d_mask) is None
+        for _ in range(2):
+            got = maxsim.maxsim(Q, D, q_mask=q_mask, d_mask=d_mask)
+    assert not ops._cpu_repeats
+    torch.testing.assert_close(got.double(), maxsim_reference(Q.double(), D.double(), q_mask, d_mask), rtol=0, atol=0)

@@ -22,15 +22,16 @@ def _deterministic(mode: str) -> bool:
 
 
 def _repeat(
-    function: str, Q: Tensor, D: Tensor, masked: bool, normalize: bool, backward: str, return_argmax: bool
-) -> tuple[tuple | None, Tensor | None]:
-    """``(signature, scores)`` of a mask-free scores-only call of ``function`` (:func:`maxsim.ops.repeat_key`):
-    the scores where an earlier call filed that signature, else None (and a None signature where the call is not
-    one to repeat). Before any check: a repeat is a signature that passed them."""
-    if masked or return_argmax is not False:
+    function: str, Q: Tensor, D: Tensor, q_mask: object, d_mask: object, normalize: bool, backward: str,
+    return_argmax: bool,
+) -> tuple[tuple | None, Tensor | None]:  # fmt: skip
+    """``(signature, scores)`` of a scores-only call of ``function`` (:func:`maxsim.ops.repeat_key`): the scores
+    where an earlier call filed that signature, else None (and a None signature where the call is not one to
+    repeat). Before any check: a repeat is a signature that passed them."""
+    if return_argmax is not False:
         return None, None
-    key = ops.repeat_key(Q, D, normalize, backward, function)
-    return key, (None if key is None else ops.run_repeat(key, Q, D))
+    key = ops.repeat_key(Q, D, normalize, backward, function, q_mask, d_mask)
+    return key, (None if key is None else ops.run_repeat(key, Q, D, q_mask, d_mask))
 
 
 def _run(
@@ -43,7 +44,7 @@ def _run(
     impl, det = choose_impl(Q), _deterministic(backward)
     out = ops.maxsim_canonical(Q, D, q_mask, d_mask, normalize, impl, det, None, return_argmax, views)
     if repeat is not None:
-        ops.keep_repeat(repeat, Q, D, normalize, views, det)
+        ops.keep_repeat(repeat, Q, D, normalize, views, det, q_mask, d_mask)
     return out
 
 
@@ -79,8 +80,7 @@ def maxsim(
         float32 scores (float64 for float64 inputs). Ties in the max go to the lowest token index; a NaN among a
         pair's valid tokens makes its score NaN. No host↔device synchronization.
     """
-    masked = q_mask is not None or d_mask is not None
-    repeat, scores = _repeat("maxsim", Q, D, masked, normalize, backward, return_argmax)
+    repeat, scores = _repeat("maxsim", Q, D, q_mask, d_mask, normalize, backward, return_argmax)
     if scores is not None:
         return scores
     validate.call(Q, D, (2, 3), (2, 3, 4), normalize, backward, return_argmax)
@@ -132,8 +132,7 @@ def maxsim_pairs(
     Masks: ``q_mask [B, Lq]``, ``d_mask [B, Ld]``; everything else as :func:`maxsim` (``return_argmax`` adds the
     int32 argmax ``[B, Lq]``).
     """
-    masked = q_mask is not None or d_mask is not None
-    repeat, scores = _repeat("maxsim_pairs", Q, D, masked, normalize, backward, return_argmax)
+    repeat, scores = _repeat("maxsim_pairs", Q, D, q_mask, d_mask, normalize, backward, return_argmax)
     if scores is not None:
         return scores
     validate.call(Q, D, (3,), (3,), normalize, backward, return_argmax)

@@ -34,14 +34,16 @@ def _triton_path():
 
 
 # ---- repeated calls ---------------------------------------------------------------------------------------------
-# A mask-free scores-only call of maxsim.maxsim or maxsim.maxsim_pairs whose signature (function, shapes, strides,
-# dtypes, devices, options, backend) an earlier call had, and which then ran a kept launch plan, was well-formed then
-# and is now: it goes straight to the plan's allocations and launch, without the checks, the layout and the layers
-# between (host time of a tiny forward: see docs/performance.md v68). On the CPU the same holds for the PyTorch
-# path's one-block forward without normalize: the repeat runs :func:`maxsim.cpu.plain_scores`'s ops, its decisions
-# (and the settings they read, part of the signature) taken by the first call (v112, pairs v115). A training call
-# of the Triton path (an input that requires grad) repeats the same way through :class:`_RepeatedStep`, its backward
-# plan found without its key (v118): the small training step is host time.
+# A scores-only call of maxsim.maxsim or maxsim.maxsim_pairs whose signature (function, shapes, strides, dtypes,
+# devices, options, backend, and the masks' shapes, strides, dtypes and devices) an earlier call had, and which then
+# ran a kept launch plan, was well-formed then and is now: it goes straight to the plan's allocations and launch,
+# without the checks, the layout and the layers between (host time of a tiny forward: see docs/performance.md v68).
+# On the CPU the same holds for the PyTorch path's mask-free one-block forward without normalize: the repeat runs
+# :func:`maxsim.cpu.plain_scores`'s ops, its decisions (and the settings they read, part of the signature) taken by
+# the first call (v112, pairs v115). A training call of the Triton path (an input that requires grad) repeats the
+# same way through :class:`_RepeatedStep`, its backward plan found without its key (v118): the small training step
+# is host time. Masks repeat on the Triton path (v119): the launch reads the caller's, whose canonical views share
+# their pointers.
 
 CPU_REPEATS_MAX = 256
 """Signatures of CPU calls kept for repeats; past this many, the store starts over."""
@@ -49,13 +51,26 @@ CPU_REPEATS_MAX = 256
 _cpu_repeats: dict[tuple, object] = {}
 
 
-def repeat_key(Q: object, D: object, normalize: object, backward: object, function: str = "maxsim") -> tuple | None:
+def _mask_signature(mask: Tensor | None) -> tuple | None:
+    return None if mask is None else (mask.shape, mask.stride(), mask.dtype, mask.device)
+
+
+def repeat_key(
+    Q: object, D: object, normalize: object, backward: object, function: str = "maxsim", q_mask: object = None,
+    d_mask: object = None,
+) -> tuple | None:  # fmt: skip
     """The signature of a call of the public ``function`` (``"maxsim"`` or ``"maxsim_pairs"``, whose tensors of
     one shape mean different problems) with these arguments for :func:`run_repeat` and :func:`keep_repeat`; None
-    where the call must take the full path (arguments that are not tensors and options, a graph to record, a
-    compilation, a CPU call with ``normalize``)."""
+    where the call must take the full path (arguments that are not tensors and options, a compilation, a CPU call
+    of the PyTorch path with ``normalize``, masks or a graph to record). A call that records a graph is signed as a
+    ``"step"``, with its resolved ``deterministic`` flag."""
     if not (isinstance(Q, Tensor) and isinstance(D, Tensor) and type(normalize) is bool and type(backward) is str):
         return None
+    masks = None
+    if q_mask is not None or d_mask is not None:
+        if not ((q_mask is None or isinstance(q_mask, Tensor)) and (d_mask is None or isinstance(d_mask, Tensor))):
+            return None
+        masks = (_mask_signature(q_mask), _mask_signature(d_mask))
     on_cpu = Q.is_cpu
     if (_launch is None and not on_cpu) or torch.compiler.is_compiling():  # (no Triton call yet: nothing filed)
         return None
@@ -68,35 +83,43 @@ def repeat_key(Q: object, D: object, normalize: object, backward: object, functi
             backward == "auto" and torch.are_deterministic_algorithms_enabled()
         )
         return ("step", function, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype, Q.device, D.device,
-                normalize, backward, deterministic, backend, f32)  # fmt: skip
-    if on_cpu and normalize:
+                normalize, backward, deterministic, backend, f32, masks)  # fmt: skip
+    if on_cpu and (normalize or (masks is not None and backend != "triton")):  # (the plain block: no masks)
         return None
     return ("repeat", function, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype, Q.device, D.device,
-            normalize, backward, backend, f32, cpu.plain_settings() if on_cpu else None)  # fmt: skip
+            normalize, backward, backend, f32, cpu.plain_settings() if on_cpu else None, masks)  # fmt: skip
 
 
-def run_repeat(key: tuple, Q: Tensor, D: Tensor) -> Tensor | None:
-    """The scores of a repeated call (see above), or None if no earlier call filed its signature."""
+def run_repeat(
+    key: tuple, Q: Tensor, D: Tensor, q_mask: Tensor | None = None, d_mask: Tensor | None = None
+) -> Tensor | None:
+    """The scores of a repeated call (see above), or None if no earlier call filed its signature. The masks are the
+    caller's (their canonical views share their pointers)."""
     if key[0] == "step":
         step = None if _launch is None else _launch.step_plan(key)
-        return None if step is None else _RepeatedStep.apply(Q, D, step)
+        masks = None if q_mask is None and d_mask is None else (q_mask, d_mask)
+        return None if step is None else _RepeatedStep.apply(Q, D, step, masks)
     run = _cpu_repeats.get(key)
     if run is not None:
         return run(Q, D)
-    return None if _launch is None else _launch.run_repeat(key, Q, D)
+    return None if _launch is None else _launch.run_repeat(key, Q, D, q_mask, d_mask)
 
 
-def keep_repeat(key: tuple, Q: Tensor, D: Tensor, normalize: bool, views: Views, deterministic: bool) -> None:
+def keep_repeat(
+    key: tuple, Q: Tensor, D: Tensor, normalize: bool, views: Views, deterministic: bool,
+    q_mask: Tensor | None = None, d_mask: Tensor | None = None,
+) -> None:  # fmt: skip
     """After the full path of a call with signature ``key`` (:func:`repeat_key`): file its launch plan, if the
     Triton path ran and kept one (a training call's: the forward's with the argmax, and the backward's options), or
-    the PyTorch path's one-block forward (:func:`maxsim.cpu.plain_scores`)."""
+    the PyTorch path's one-block forward (:func:`maxsim.cpu.plain_scores`, mask-free). The masks are the canonical
+    views the full path planned with."""
     if choose_impl(Q) == "triton":
         if key[0] == "step":
-            _launch.keep_step(key, Q, D, normalize, deterministic, views)
+            _launch.keep_step(key, Q, D, normalize, deterministic, views, q_mask, d_mask)
         else:
-            _launch.keep_repeat(key, Q, D, normalize, views)
+            _launch.keep_repeat(key, Q, D, normalize, views, q_mask, d_mask)
         return
-    if key[0] == "step":
+    if key[0] == "step" or q_mask is not None or d_mask is not None:
         return
     Qc, Dc = _in_views(Q, D, views)
     if Q.device.type != "cpu" or normalize or Qc.numel() == 0 or Dc.numel() == 0 or not cpu.one_block(Qc, Dc):
@@ -351,14 +374,15 @@ class _MaxSimFunction(torch.autograd.Function):
 
 
 class _RepeatedStep(torch.autograd.Function):
-    """A repeated training call of the Triton path (:func:`repeat_key`): ``apply(Q, D, step)`` -> the scores, with
-    ``step`` the :class:`maxsim.kernels.launch.StepPlan` an earlier call of the signature filed. The same kernels as
+    """A repeated training call of the Triton path (:func:`repeat_key`): ``apply(Q, D, step, masks)`` -> the scores,
+    with ``step`` the :class:`maxsim.kernels.launch.StepPlan` an earlier call of the signature filed and ``masks``
+    None or the caller's ``(q_mask, d_mask)`` (not saved: the argmax holds what the backward needs). The same kernels as
     :class:`_MaxSimFunction`'s, without the layers between; the argmax (and the inverse norms of ``normalize``) are
     saved, not returned."""
 
     @staticmethod
-    def forward(ctx, Q, D, step):
-        scores, argmax, norms = _launch.step_forward(step, Q, D)
+    def forward(ctx, Q, D, step, masks):
+        scores, argmax, norms = _launch.step_forward(step, Q, D, *(masks or (None, None)))
         ctx.save_for_backward(Q, D, argmax, *(norms or ()))
         ctx.step = step
         ctx.set_materialize_grads(False)
@@ -367,10 +391,10 @@ class _RepeatedStep(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_scores):
         if grad_scores is None:
-            return None, None, None
+            return None, None, None, None
         Q, D, argmax, *norms = ctx.saved_tensors
         dQ, dD = _launch.step_backward(ctx.step, grad_scores, Q, D, argmax, tuple(norms) or None)
-        return dQ, dD, None
+        return dQ, dD, None, None
 
 
 def _in_views(Q: Tensor, D: Tensor, views: Views) -> tuple[Tensor, Tensor]:

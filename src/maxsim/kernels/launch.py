@@ -431,23 +431,29 @@ def _plan_key(
     )  # fmt: skip
 
 
-def keep_repeat(key: tuple, Q: Tensor, D: Tensor, normalize: bool, views: Views | None) -> None:
-    """File the plan that a mask-free scores-only forward of ``Q``, ``D`` (the caller's tensors, read through
-    ``views``) has just kept under ``key`` as well: a repeat of the call (see :func:`run_repeat`) then finds it
-    without building the plan's key. Repeat entries live among the plans, so whatever clears the plans (a change
-    of the module settings must) clears them too."""
-    plan = _plans.get(_plan_key(Q, D, None, None, normalize, False, None, views))
+def keep_repeat(
+    key: tuple, Q: Tensor, D: Tensor, normalize: bool, views: Views | None, q_mask: Tensor | None = None,
+    d_mask: Tensor | None = None,
+) -> None:  # fmt: skip
+    """File the plan that a scores-only forward of ``Q``, ``D`` (the caller's tensors, read through ``views``; the
+    masks as canonical views) has just kept under ``key`` as well: a repeat of the call (see :func:`run_repeat`)
+    then finds it without building the plan's key. Repeat entries live among the plans, so whatever clears the plans
+    (a change of the module settings must) clears them too."""
+    plan = _plans.get(_plan_key(Q, D, q_mask, d_mask, normalize, False, None, views))
     if plan is not None:
         _plans[key] = plan
 
 
-def run_repeat(key: tuple, Q: Tensor, D: Tensor) -> Tensor | None:
+def run_repeat(
+    key: tuple, Q: Tensor, D: Tensor, q_mask: Tensor | None = None, d_mask: Tensor | None = None
+) -> Tensor | None:
     """Scores of a call filed by :func:`keep_repeat` under ``key`` (None if there is no such entry): its
-    allocations and launches only."""
+    allocations and launches only. The masks may be the caller's: a launch reads their pointers, which their
+    canonical views share, and the signature holds their strides."""
     plan = _plans.get(key)
     if plan is None:
         return None
-    return _run_forward(plan, Q, D, None, None, (Q, Q, Q, Q), False)[0]
+    return _run_forward(plan, Q, D, q_mask, d_mask, (Q, Q, Q, Q), False)[0]
 
 
 class StepPlan:
@@ -462,10 +468,13 @@ class StepPlan:
         self.backward_keys: dict[tuple, tuple] = {}
 
 
-def keep_step(key: tuple, Q: Tensor, D: Tensor, normalize: bool, deterministic: bool, views: Views | None) -> None:
-    """As :func:`keep_repeat`, for a mask-free training call whose forward (with the argmax) has just kept its plan:
-    a repeat of the call then runs :func:`step_forward` and :func:`step_backward`."""
-    plan = _plans.get(_plan_key(Q, D, None, None, normalize, True, None, views))
+def keep_step(
+    key: tuple, Q: Tensor, D: Tensor, normalize: bool, deterministic: bool, views: Views | None,
+    q_mask: Tensor | None = None, d_mask: Tensor | None = None,
+) -> None:  # fmt: skip
+    """As :func:`keep_repeat`, for a training call whose forward (with the argmax) has just kept its plan: a repeat
+    of the call then runs :func:`step_forward` and :func:`step_backward`."""
+    plan = _plans.get(_plan_key(Q, D, q_mask, d_mask, normalize, True, None, views))
     if plan is not None:
         _plans[key] = StepPlan(plan, normalize, deterministic, views)
 
@@ -475,10 +484,12 @@ def step_plan(key: tuple) -> StepPlan | None:
     return _plans.get(key)
 
 
-def step_forward(step: StepPlan, Q: Tensor, D: Tensor) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
+def step_forward(
+    step: StepPlan, Q: Tensor, D: Tensor, q_mask: Tensor | None, d_mask: Tensor | None
+) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
     """Scores, argmax and inverse norms (as :func:`forward_keeping_norms`) of a repeated training call: the
-    forward plan's allocations and launches only."""
-    return _run_forward(step.forward, Q, D, None, None, (Q, Q, Q, Q), True)
+    forward plan's allocations and launches only (the masks as in :func:`run_repeat`)."""
+    return _run_forward(step.forward, Q, D, q_mask, d_mask, (Q, Q, Q, Q), True)
 
 
 def step_backward(
