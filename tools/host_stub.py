@@ -88,19 +88,23 @@ class Floor(torch.autograd.Function):
         return dQ, torch.empty(D.shape, dtype=D.dtype, device=D.device)
 
 
-def dense_case(nq: int, nd: int, lq: int, ld: int, dim: int = 128, candidates: bool = False) -> dict:
+def dense_case(
+    nq: int, nd: int, lq: int, ld: int, dim: int = 128, candidates: bool = False, masked: bool = False
+) -> dict:
+    """``masked``: with a document mask (a padded batch)."""
     bf16 = torch.bfloat16
     Q = torch.randn(nq, lq, dim, dtype=bf16, device=DEV)
     D = torch.randn(*((nq,) if candidates else ()), nd, ld, dim, dtype=bf16, device=DEV)
     Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
     g = torch.randn(nq, nd, device=DEV)
+    d_mask = torch.ones(D.shape[:-1], dtype=torch.bool, device=DEV) if masked else None
 
     def infer():
         with torch.no_grad():
-            return maxsim.maxsim(Q, D)
+            return maxsim.maxsim(Q, D, d_mask=d_mask)
 
     def step():
-        return torch.autograd.grad(maxsim.maxsim(Qg, Dg), (Qg, Dg), g)
+        return torch.autograd.grad(maxsim.maxsim(Qg, Dg, d_mask=d_mask), (Qg, Dg), g)
 
     def floor():
         return torch.autograd.grad(Floor.apply(Qg, Dg)[0], (Qg, Dg), g)
@@ -158,6 +162,7 @@ def main() -> None:
     cases = {
         "cross 4x4 Lq8 Ld8": dense_case(4, 4, 8, 8),
         "cross 32x32 Lq32 Ld80": dense_case(32, 32, 32, 80),
+        "cross 32x32 Ld80 d_mask": dense_case(32, 32, 32, 80, masked=True),
         "cross 64x64 Lq23 Ld333 d96": dense_case(64, 64, 23, 333, 96),
         "cross 1x8 Ld8192 (chunked)": dense_case(1, 8, 32, 8192),  # (8 programs: documents scanned in chunks)
         "candidates 64x32 Ld180": dense_case(64, 32, 32, 180, candidates=True),
