@@ -335,6 +335,33 @@ def _backward(ctx, grad_scores: Tensor, _grad_argmax: Tensor | None):
 torch.library.register_autograd("maxsim::forward", _backward, setup_context=_setup_context)
 
 
+class _FirstOrderOnly(torch.autograd.Function):
+    """Copies of the Triton path's gradients for a caller that records their graph (``create_graph=True``): the
+    kernels' gradients carry no graph of their own, so a second-order term through them (a gradient penalty) would
+    be silently dropped; through these copies it raises instead."""
+
+    @staticmethod
+    def forward(ctx, dQ, dD, *depends_on):
+        # (depends_on: the forward's inputs and the upstream gradient, the edges a second-order term would follow)
+        return dQ.clone(), dD.clone()
+
+    @staticmethod
+    def backward(ctx, *_grads):
+        raise RuntimeError(
+            "maxsim: the Triton path's gradients are not differentiable (a second-order gradient, such as a gradient "
+            "penalty, through maxsim); the PyTorch path supports them: call under maxsim.backend('torch')"
+        )
+
+
+def _first_order_only(dQ: Tensor, dD: Tensor, grad: Tensor, Q: Tensor, D: Tensor) -> tuple[Tensor, Tensor]:
+    """The Triton path's gradients as the backward returns them: as they are, or, where the engine records the
+    backward's graph (grad mode on inside a backward: ``create_graph=True``), :class:`_FirstOrderOnly`'s copies,
+    which depend on the upstream gradient and the forward's inputs ``Q`` and ``D`` (as saved)."""
+    if not torch.is_grad_enabled():
+        return dQ, dD
+    return _FirstOrderOnly.apply(dQ, dD, grad, Q, D)
+
+
 class _MaxSimFunction(torch.autograd.Function):
     """Eager twin of ``maxsim::forward`` + its registered autograd (same implementation functions).
 
@@ -370,6 +397,8 @@ class _MaxSimFunction(torch.autograd.Function):
         normalize, impl, deterministic, rg, views = ctx.call
         kept = ctx.kept or tuple(kept) or None
         dQ, dD = backward_impl(grad_scores, Q, D, argmax, normalize, deterministic, impl, rg, kept, views)
+        if impl == "triton":
+            dQ, dD = _first_order_only(dQ, dD, grad_scores, Q, D)
         return dQ, dD, None
 
 
@@ -394,7 +423,7 @@ class _RepeatedStep(torch.autograd.Function):
             return None, None, None, None
         Q, D, argmax, *norms = ctx.saved_tensors
         dQ, dD = _launch.step_backward(ctx.step, grad_scores, Q, D, argmax, tuple(norms) or None)
-        return dQ, dD, None, None
+        return (*_first_order_only(dQ, dD, grad_scores, Q, D), None, None)
 
 
 def _in_views(Q: Tensor, D: Tensor, views: Views) -> tuple[Tensor, Tensor]:
