@@ -290,6 +290,29 @@ def test_steps_keep_their_choices_past_the_first_row(kept):
     assert kept[0] is True, kept
 
 
+@pytest.mark.parametrize("shift", [0, 2])
+@pytest.mark.parametrize("pairs_a_document", [1, 2])
+def test_a_step_over_queries_of_one_length_adds_whole_query_slabs(shift, pairs_a_document, kept):
+    """Queries of one length back to back (a dense batch, packed), with rows before and after that no query holds:
+    each pair's query gradient is added as its query's slab, exactly the link list's on integer tokens, and zero on
+    the rows outside."""
+    n_q, n_d, lq = 3, 4, 4
+    g = torch.Generator().manual_seed(10 * shift + pairs_a_document)
+    docs = torch.arange(n_d).repeat(pairs_a_document)
+    queries = torch.randint(0, n_q, (len(docs),), generator=g)
+    order = torch.randperm(len(docs), generator=g)
+    pairs = tuple(zip(queries[order].tolist(), docs[order].tolist(), strict=True))
+    case = Ragged((lq,) * n_q, (5,) * n_d, pairs=pairs, dim=8, exact=True)
+    b = build(case, "cpu")
+    nan = torch.full((shift, 8), float("nan"))
+    step, links = steps_without_and_with_argmax(case, dataclasses.replace(b, cu_q=b.cu_q + shift),
+                                                torch.cat([nan, b.Q, nan]), b.D)  # fmt: skip
+    for name, x, y in zip(("scores", "dQ", "dD"), step, links, strict=True):
+        assert torch.equal(x, y), f"{name}: {x.tolist()} != {y.tolist()}"
+    assert not bool(step[1][:shift].any()) and not bool(step[1][len(step[1]) - shift :].any())
+    assert kept[0] is True, kept
+
+
 def test_a_token_that_is_not_finite_takes_the_link_list(kept):
     """-inf in a document token that no query chose: a product would multiply it by 0 (NaN); the kept sum of the
     similarities is not finite, so the backward adds the links row by row: exactly the link list's."""

@@ -61,6 +61,8 @@ class Plan(NamedTuple):
     q_short: bool  # some query shorter than lq (its padding rows are masked)
     q_fits: bool  # every query's first lq rows lie within Q (its slab is a window view, no clamp)
     sorted: bool  # the pairs are already in document order (stable): no permutation
+    q_uniform: bool  # every query lq rows long, back to back: Q's rows q0 .. q0 + n_q·lq as [n_q, lq, dim]
+    q0: int  # first row of the first query
 
 
 def plan(Q: Tensor, D: Tensor, rg: Ragged) -> Plan | None:
@@ -95,14 +97,16 @@ def plan(Q: Tensor, D: Tensor, rg: Ragged) -> Plan | None:
     if min(counts) != m:  # (then every count is m: they sum to P = m · n_d)
         return None
     in_order = all(map(operator.le, pd[:-1], pd[1:]))
-    return Plan(n_d, ld, d0, m, lq, q_lo < lq, q_off[-2] + lq <= Q.shape[0], in_order)
+    q_uniform = q_lo == lq and q_off == list(range(q_off[0], q_off[-1] + 1, lq))
+    return Plan(n_d, ld, d0, m, lq, q_lo < lq, q_off[-2] + lq <= Q.shape[0], in_order, q_uniform, q_off[0])
 
 
 class _Sorted(NamedTuple):
-    """The pairs in document order: ``order [P]`` (None where the list is in it already), each pair's first query row
-    ``q_start [P]`` and, where some query is short, its length ``q_len [P]``."""
+    """The pairs in document order: ``order [P]`` (None where the list is in it already), each pair's query
+    ``pair_q [P]``, its first query row ``q_start [P]`` and, where some query is short, its length ``q_len [P]``."""
 
     order: Tensor | None
+    pair_q: Tensor
     q_start: Tensor
     q_len: Tensor | None
 
@@ -111,7 +115,7 @@ def _sorted(rg: Ragged, p: Plan) -> _Sorted:
     order = None if p.sorted else torch.argsort(rg.pair_d, stable=True)
     pair_q = rg.pair_q if order is None else rg.pair_q.index_select(0, order)
     q_len = rg.q_seg.diff().index_select(0, pair_q) if p.q_short else None
-    return _Sorted(order, rg.q_seg[:-1].index_select(0, pair_q), q_len)
+    return _Sorted(order, pair_q, rg.q_seg[:-1].index_select(0, pair_q), q_len)
 
 
 def _bytes_a_document(Q: Tensor, p: Plan) -> int:
@@ -231,10 +235,15 @@ def backward_for_step(grad: Tensor, Q: Tensor, D: Tensor, rg: Ragged, step: Pair
     W = torch.zeros((n, p.m * lq, p.ld), dtype=acc).scatter_(2, arg.view(n, p.m * lq, 1), w.reshape(n, p.m * lq, 1))
     dDs = torch.bmm(W.transpose(1, 2), Qs.view(n, p.m * lq, dim))  # [n_docs, ld, dim]
     dQs = torch.bmm(W, cpu._as(_documents(D, p), acc))  # [n_docs, m·lq, dim]
-    rows = (s.q_start[:, None] + torch.arange(lq)).view(-1)
-    if not p.q_fits:
-        rows = rows.clamp_(max=Q.shape[0] - 1)  # (past the end: zero rows, added to the last)
-    dQ = torch.zeros((Q.shape[0], dim), dtype=acc).index_add_(0, rows, dQs.view(P * lq, dim))
+    dQ = torch.zeros((Q.shape[0], dim), dtype=acc)
+    if p.q_uniform:  # (a pair's rows added as one slab of its query: the same sums, in the same order)
+        n_q = rg.q_seg.shape[0] - 1
+        dQ[p.q0 : p.q0 + n_q * lq].view(n_q, lq * dim).index_add_(0, s.pair_q, dQs.view(P, lq * dim))
+    else:
+        rows = (s.q_start[:, None] + torch.arange(lq)).view(-1)
+        if not p.q_fits:
+            rows = rows.clamp_(max=Q.shape[0] - 1)  # (past the end: zero rows, added to the last)
+        dQ.index_add_(0, rows, dQs.view(P * lq, dim))
     dD = cpu_small._rows_of(dDs.view(n * p.ld, dim), p.d0, D.shape[0])
     return cpu._as(dQ, Q.dtype), cpu._as(dD, D.dtype)
 
