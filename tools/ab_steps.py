@@ -8,7 +8,8 @@ rows with the bench's host timer), and each row reports the median and the minim
 
 Usage:
   python tools/ab_steps.py --make-old REV            # here: .devdata/oldpkg/maxsim_old from `git archive REV`
-  PYTHONPATH=src:.devdata/oldpkg python tools/ab_steps.py train|infer [PATTERN ...] [--normalize] [--profile]  # GPU
+  PYTHONPATH=src:.devdata/oldpkg python tools/ab_steps.py train|infer [PATTERN ...] [--normalize] [--masked]
+                                                      [--profile]  # GPU
                                                       # (carry .devdata)
   PYTHONPATH=src python tools/ab_steps.py train|infer [PATTERN ...] --normalize-cost   # normalize=True vs False
   PYTHONPATH=src:.devdata/oldpkg python tools/ab_steps.py train|infer [PATTERN ...] --cpu   # here: --quick shapes
@@ -46,15 +47,34 @@ def make_old(rev: str) -> None:
     print(f"wrote {OLD} from {rev}")
 
 
-def _scorers(lib, normalize: bool) -> tuple:
-    """The library's four entry points for MaxsimImpl, with ``normalize`` set."""
+def _with_document_mask(fn):
+    """``fn`` called with an all-True ``d_mask`` of ``D``'s token shape (a padded batch's host path; one mask per
+    shape, made once, as a training loop's collate would hand it over)."""
+    masks: dict = {}
+
+    def call(Q, D, **kw):
+        mask = masks.get(D.shape[:-1])
+        if mask is None:
+            import torch
+
+            mask = masks[D.shape[:-1]] = torch.ones(D.shape[:-1], dtype=torch.bool, device=D.device)
+        return fn(Q, D, d_mask=mask, **kw)
+
+    return call
+
+
+def _scorers(lib, normalize: bool, masked: bool = False) -> tuple:
+    """The library's four entry points for MaxsimImpl, with ``normalize`` set and, with ``masked``, a document mask
+    on the dense ones."""
     fns = (lib.maxsim, lib.maxsim_pairs, lib.maxsim_varlen, lib.maxsim_pairs_varlen)
+    if masked:
+        fns = (_with_document_mask(fns[0]), _with_document_mask(fns[1]), *fns[2:])
     return tuple(functools.partial(f, normalize=True) for f in fns) if normalize else fns
 
 
 def compare(
     mode: str, patterns: list[str] | None, rounds: int, normalize: bool = False, plain: bool = False,
-    profile: bool = False, cpu: bool = False,
+    profile: bool = False, cpu: bool = False, masked: bool = False,
 ) -> None:  # fmt: skip
     import torch
     from offmatrix import OFF_MATRIX  # (tools/ is on sys.path when this runs as a script)
@@ -71,7 +91,10 @@ def compare(
     else:
         import maxsim_old
 
-        impls = {"new": MaxsimImpl(*_scorers(maxsim, normalize)), "old": MaxsimImpl(*_scorers(maxsim_old, normalize))}
+        impls = {
+            "new": MaxsimImpl(*_scorers(maxsim, normalize, masked)),
+            "old": MaxsimImpl(*_scorers(maxsim_old, normalize, masked)),
+        }
     if cpu:  # (eager on the bench's padded copies for ragged rows: the CPU record's peer)
         impls["eager"] = EagerImpl()
     for w in select(mode=mode, only=patterns, quick=cpu, table=WORKLOADS + OFF_MATRIX):
@@ -118,13 +141,15 @@ def main() -> None:
     ap.add_argument("--normalize-cost", action="store_true", help="this version with normalize=True against without")
     ap.add_argument("--profile", action="store_true", help="GPU time per kernel of both versions (torch.profiler)")
     ap.add_argument("--cpu", action="store_true", help="on this CPU, --quick shapes, fp32, eager beside")
+    ap.add_argument("--masked", action="store_true", help="dense calls of both versions with an all-True d_mask")
     args = ap.parse_args()
     if args.make_old:
         make_old(args.make_old)
     if args.mode:
         compare(
-            args.mode, args.patterns or None, args.rounds, args.normalize, args.normalize_cost, args.profile, args.cpu
-        )
+            args.mode, args.patterns or None, args.rounds, args.normalize, args.normalize_cost, args.profile, args.cpu,
+            args.masked,
+        )  # fmt: skip
 
 
 if __name__ == "__main__":

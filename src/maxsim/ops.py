@@ -66,26 +66,31 @@ def repeat_key(
     ``"step"``, with its resolved ``deterministic`` flag."""
     if not (isinstance(Q, Tensor) and isinstance(D, Tensor) and type(normalize) is bool and type(backward) is str):
         return None
+    step = torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)
+    masked = q_mask is not None or d_mask is not None
+    on_cpu = Q.is_cpu
+    backend = get_backend()
+    if on_cpu:
+        # (the PyTorch path repeats its plain block only: a scores-only call without masks or normalize; an
+        # interpreted Triton call repeats as on a GPU, but for a scores-only one with normalize)
+        if (normalize and not step) or (backend != "triton" and (step or masked)):
+            return None
+    elif _launch is None:  # (no Triton call yet: nothing filed for it)
+        return None
+    if torch.compiler.is_compiling():
+        return None
     masks = None
-    if q_mask is not None or d_mask is not None:
+    if masked:
         if not ((q_mask is None or isinstance(q_mask, Tensor)) and (d_mask is None or isinstance(d_mask, Tensor))):
             return None
         masks = (_mask_signature(q_mask), _mask_signature(d_mask))
-    on_cpu = Q.is_cpu
-    if (_launch is None and not on_cpu) or torch.compiler.is_compiling():  # (no Triton call yet: nothing filed)
-        return None
     f32 = torch.get_float32_matmul_precision() if Q.dtype is torch.float32 else None
-    backend = get_backend()
-    if torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad):
-        if on_cpu and backend != "triton":  # (the PyTorch path's steps keep states of their own: the full path)
-            return None
+    if step:
         deterministic = backward == "deterministic" or (
             backward == "auto" and torch.are_deterministic_algorithms_enabled()
         )
         return ("step", function, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype, Q.device, D.device,
                 normalize, backward, deterministic, backend, f32, masks)  # fmt: skip
-    if on_cpu and (normalize or (masks is not None and backend != "triton")):  # (the plain block: no masks)
-        return None
     return ("repeat", function, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype, Q.device, D.device,
             normalize, backward, backend, f32, cpu.plain_settings() if on_cpu else None, masks)  # fmt: skip
 
