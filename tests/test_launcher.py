@@ -40,6 +40,7 @@ class FakeKernel:
 def fake_gpu(monkeypatch):
     monkeypatch.setattr(launcher, "INTERPRETER", False)
     monkeypatch.setattr(launcher, "_current_device", lambda: 0)
+    monkeypatch.setattr(launcher, "_device_of", lambda t: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
 
 
@@ -75,6 +76,41 @@ def test_anything_triton_specializes_on_goes_back_through_triton(fake_gpu, chang
     }[change]
     lc(3, *args)
     assert [e[0] for e in k.log] == ["triton", "triton"]
+
+
+def test_tensors_on_another_gpu_launch_under_their_device(fake_gpu, monkeypatch):
+    """Triton compiles for and launches on the current device: tensors on cuda:1 while cuda:0 is current launch
+    with cuda:1 made current for the launch (then restored), and their launches are filed under device 1."""
+    current = [0]
+    switches = []
+
+    class DeviceGuard:
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            switches.append(self.index)
+            self.prev, current[0] = current[0], self.index
+
+        def __exit__(self, *exc):
+            current[0] = self.prev
+
+    monkeypatch.setattr(launcher, "_current_device", lambda: current[0])
+    monkeypatch.setattr(launcher, "_device_of", lambda t: 1 if t.shape[0] == 16 else 0)
+    monkeypatch.setattr(torch.cuda, "device", DeviceGuard)
+    streams = []
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: streams.append(device) or 99)
+    k = FakeKernel()
+    lc = launcher.Launcher(k)
+    on_1, on_0 = torch.zeros(16), torch.zeros(32)
+    cache: dict = {}
+    for x in (on_1, on_1, on_0, on_0, on_1):
+        lc(3, (x,), (7,), {"BLOCK": 32}, 4, 3, cache)
+    assert switches == [1, 1, 1]
+    assert current == [0]
+    assert [e[0] for e in k.log] == ["triton", "direct", "triton", "direct", "direct"]
+    assert streams == [1, 0, 1]  # (each direct launch on the stream of its tensors' device)
+    assert sorted(key[0] for key in cache) == [0, 1]
 
 
 def test_register_cap_reaches_triton_only_when_set(fake_gpu):

@@ -1,17 +1,19 @@
 """Run the test suite as N parallel pytest processes on one GPU machine (device-tool calls are short and every fresh
 machine starts with cold Triton caches: compiling is CPU work, so shards on 16 cores finish ~N times sooner).
 
-    python tools/gpu_pytest.py --shards 6 --out $OUT/pytest [-- extra pytest args, e.g. -k normalize]
+    python tools/gpu_pytest.py --shards 6 --out $OUT/pytest [--gpus 2] [-- extra pytest args, e.g. -k normalize]
 
 Tests are collected once and dealt round-robin, so every shard gets a share of each file. Each shard writes
 ``shard<i>.log``; the exit status is nonzero when any shard fails, errors, times out or collects nothing. Failures
 are then run once more on their own (a host-timed test can fail only because the shards share the CPUs), and that
-result is printed too.
+result is printed too. With ``--gpus N`` shard ``i`` sees GPU ``i % N`` only (``CUDA_VISIBLE_DEVICES``), so the tests
+that need two GPUs skip there: run ``tests/test_multi_gpu.py`` on its own.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -35,6 +37,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True, help="folder for the shard logs")
     parser.add_argument("--only", type=int, default=None, help="run this shard only (a rerun of a failed one)")
     parser.add_argument("--timeout", type=float, default=540.0, help="seconds before unfinished shards are killed")
+    parser.add_argument("--gpus", type=int, default=1, help="deal the shards over this many GPUs")
     parser.add_argument("pytest_args", nargs="*", help="after --: passed to pytest (selection only)")
     args = parser.parse_args()
 
@@ -52,7 +55,8 @@ def main() -> int:
         listing.write_text("\n".join(shard) + "\n")
         log = open(args.out / f"shard{i}.log", "w")  # noqa: SIM115 (closed after the process ends)
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *shard]
-        procs.append((i, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(i % args.gpus)) if args.gpus > 1 else None
+        procs.append((i, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
     print(f"{len(ids)} tests in {len(procs)} shards")
 
     start = time.monotonic()

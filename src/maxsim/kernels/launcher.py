@@ -32,8 +32,13 @@ def _hooked(hook: Any) -> bool:
 
 
 def _current_device() -> int:
-    # torch.cuda.current_device() without its lazy-init check (~2 µs): a launch only follows CUDA tensors.
+    # torch.cuda.current_device() without its lazy-init check (~2 µs): a launch only follows CUDA tensors, so
+    # CUDA is initialized.
     return torch._C._cuda_getDevice()
+
+
+def _device_of(t: torch.Tensor) -> int:
+    return t.get_device()
 
 
 class Launcher:
@@ -73,7 +78,13 @@ class Launcher:
         if INTERPRETER:  # (which has no registers to cap)
             self.kernel[(grid,)](*tensors, *ints, **constexprs, num_warps=num_warps, num_stages=num_stages)
             return
-        device = _current_device()
+        device = _device_of(tensors[0])
+        if device != _current_device():
+            # Triton compiles for, and launches on, the current device; tensors on another GPU (cuda:1 while cuda:0
+            # is current) would get device 0's kernel run on device 1's pointers. Rare, so a guard only here.
+            with torch.cuda.device(device):
+                self(grid, tensors, ints, constexprs, num_warps, num_stages, plan_cache, maxnreg, foreign)
+            return
         rt = self._runtime_knobs
         hooks = _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook)
         if plan_cache is None:
