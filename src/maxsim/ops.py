@@ -253,6 +253,8 @@ def forward(
     pair_d: Tensor | None = None,
     max_q: int = 0,
     max_d: int = 0,
+    q_axes: list[int] | None = None,
+    d_axes: list[int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Scores ``[Nq, K]`` (fp32; fp64 for fp64 inputs) and argmax ``[Nq, K, Lq]`` in ``argmax_dtype(Ld)`` (int32
     ``[0]`` if not asked).
@@ -260,18 +262,28 @@ def forward(
     ``Q [Nq, Lq, dim]``, ``D [Bd, K, Ld, dim]`` (``Bd`` = 1 or ``Nq``), ``q_mask [Nq, Lq]``, ``d_mask [Bd, K, Ld]``.
     Ragged layouts (:class:`maxsim.layout.Ragged`): ``q_seg``/``d_seg`` offsets for packed ``[rows, dim]`` tokens
     or lengths for padded ones, an optional pair list (scores ``[1, P]``), and the longest lengths ``max_q``,
-    ``max_d``. ``deterministic`` only matters to the backward (it is recorded here for autograd).
+    ``max_d``. ``deterministic`` only matters to the backward (it is recorded here for autograd). ``q_axes``,
+    ``d_axes``: ``Q`` and ``D`` are the caller's tensors, whose canonical forms insert these unit axes
+    (:class:`maxsim.layout.Views`); the masks and results stay canonical.
     """
     rg = ragged(q_seg, d_seg, pair_q, pair_d, max_q, max_d)
-    scores, argmax, _kept = forward_impl(Q, D, q_mask, d_mask, normalize, need_argmax, impl, rg)
+    views = _axes_views(q_axes, d_axes)
+    scores, argmax, _kept = forward_impl(Q, D, q_mask, d_mask, normalize, need_argmax, impl, rg, views)
     return scores, (scores.new_empty((0,), dtype=torch.int32) if argmax is None else argmax)
+
+
+def _axes_views(q_axes: list[int] | None, d_axes: list[int] | None) -> Views | None:
+    if not q_axes and not d_axes:
+        return None
+    return Views(tuple(q_axes or ()), tuple(d_axes or ()), None)
 
 
 @forward.register_fake
 def _forward_fake(
     Q, D, q_mask, d_mask, normalize, need_argmax, impl, deterministic=False, q_seg=None, d_seg=None, pair_q=None,
-    pair_d=None, max_q=0, max_d=0,
+    pair_d=None, max_q=0, max_d=0, q_axes=None, d_axes=None,
 ):  # fmt: skip
+    Q, D = view_as_canonical(Q, tuple(q_axes or ())), view_as_canonical(D, tuple(d_axes or ()))
     Nq, Lq, _, K, Ld, _ = dims(Q, D, ragged(q_seg, d_seg, pair_q, pair_d, max_q, max_d))
     scores = Q.new_empty((Nq, K), dtype=accum_dtype(Q.dtype))
     argmax = Q.new_empty((Nq, K, Lq), dtype=argmax_dtype(Ld)) if need_argmax else Q.new_empty((0,), dtype=torch.int32)
@@ -293,27 +305,30 @@ def backward(
     pair_d: Tensor | None = None,
     max_q: int = 0,
     max_d: int = 0,
+    q_axes: list[int] | None = None,
+    d_axes: list[int] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``(dQ like Q, dD like D)`` from ``grad [Nq, K]`` and the forward's ``argmax [Nq, K, Lq]``."""
+    """``(dQ like Q, dD like D)`` from ``grad [Nq, K]`` and the forward's ``argmax [Nq, K, Lq]`` (``q_axes``,
+    ``d_axes``: as the forward's)."""
     rg = ragged(q_seg, d_seg, pair_q, pair_d, max_q, max_d)
-    return backward_impl(grad, Q, D, argmax, normalize, deterministic, impl, rg)
+    return backward_impl(grad, Q, D, argmax, normalize, deterministic, impl, rg, None, _axes_views(q_axes, d_axes))
 
 
 @backward.register_fake
 def _backward_fake(
     grad, Q, D, argmax, normalize, deterministic, impl, q_seg=None, d_seg=None, pair_q=None, pair_d=None, max_q=0,
-    max_d=0,
+    max_d=0, q_axes=None, d_axes=None,
 ):  # fmt: skip
     return Q.new_empty(Q.shape), D.new_empty(D.shape)
 
 
-_N_FORWARD_ARGS = 14
+_N_FORWARD_ARGS = 16
 
 
 def _setup_context(ctx, inputs, output) -> None:
     Q, D, _q_mask, _d_mask, normalize, need_argmax, impl, *rest = inputs
-    rest = rest + [False, None, None, None, None, 0, 0][len(rest) :]
-    deterministic, q_seg, d_seg, pair_q, pair_d, max_q, max_d = rest
+    rest = rest + [False, None, None, None, None, 0, 0, None, None][len(rest) :]
+    deterministic, q_seg, d_seg, pair_q, pair_d, max_q, max_d, q_axes, d_axes = rest
     _scores, argmax = output
     ctx.save_for_backward(Q, D, argmax, q_seg, d_seg, pair_q, pair_d)
     ctx.normalize = normalize
@@ -321,6 +336,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.impl = impl
     ctx.deterministic = bool(deterministic)
     ctx.max_lengths = (max_q, max_d)
+    ctx.axes = (q_axes, d_axes)
 
 
 def _backward(ctx, grad_scores: Tensor, _grad_argmax: Tensor | None):
@@ -332,7 +348,7 @@ def _backward(ctx, grad_scores: Tensor, _grad_argmax: Tensor | None):
         )
     dQ, dD = backward(
         grad_scores, Q, D, argmax, ctx.normalize, ctx.deterministic, ctx.impl, q_seg, d_seg, pair_q, pair_d,
-        *ctx.max_lengths,
+        *ctx.max_lengths, *ctx.axes,
     )  # fmt: skip
     return (dQ, dD) + (None,) * (_N_FORWARD_ARGS - 2)
 
@@ -465,10 +481,12 @@ def maxsim_canonical(
         return (out[0], out[1].to(torch.int32, memory_format=torch.contiguous_format)) if return_argmax else out[0]
     need_argmax = need_grad or return_argmax
     if compiling:
-        if views is not None:
-            Q, D = _in_views(Q, D, views)
-        r = () if rg is None else tuple(rg)
-        out = forward(Q, D, q_mask, d_mask, normalize, need_argmax, impl, deterministic, *r)
+        # The caller's Q and D go into the op as they are (it views them): an input that reached the op as a view
+        # would be saved for the backward as an intermediate, which PyTorch's aot_autograd does not connect to the
+        # input, so a second-order gradient through it would be dropped silently instead of refused.
+        r = (None, None, None, None, 0, 0) if rg is None else tuple(rg)
+        axes = (None, None) if views is None else (list(views.q), list(views.d))
+        out = forward(Q, D, q_mask, d_mask, normalize, need_argmax, impl, deterministic, *r, *axes)
         if views is not None and views.out is not None:
             out = _out_views(out[0], out[1] if return_argmax else None, views)
     else:
