@@ -15,6 +15,7 @@ GPU work); under ``torch.compile`` it calls the registered ops instead. Both rou
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 from torch import Tensor
 
 from . import cpu, cpu_ragged
@@ -65,6 +66,8 @@ def repeat_key(
     of the PyTorch path with ``normalize``, masks or a graph to record). A call that records a graph is signed as a
     ``"step"``, with its resolved ``deterministic`` flag."""
     if not (isinstance(Q, Tensor) and isinstance(D, Tensor) and type(normalize) is bool and type(backward) is str):
+        return None
+    if forward_ad._current_level >= 0:  # (forward-mode AD: the full path, which refuses tangents it would drop)
         return None
     step = torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)
     masked = q_mask is not None or d_mask is not None
@@ -166,6 +169,8 @@ def forward_impl(
     (:func:`maxsim.cpu_ragged.forward_for_step`) in place of the argmax (then empty). ``views``: ``Q`` and ``D`` are the
     caller's tensors, to be viewed canonically, and the results come in the caller's shape (``views.out``)."""
     if impl == "triton":
+        if forward_ad._current_level >= 0:
+            _refuse_tangents(Q, D)
         return _triton_path().forward_keeping_norms(Q, D, q_mask, d_mask, normalize, need_argmax, rg, views=views)
     if views is not None:
         Q, D = _in_views(Q, D, views)
@@ -191,6 +196,18 @@ def forward_impl(
     if views is not None:
         scores, argmax = _out_views(scores, argmax, views)
     return scores, argmax, None
+
+
+def _refuse_tangents(Q: Tensor, D: Tensor) -> None:
+    """The Triton kernels propagate no forward-mode tangent: a dual input would give scores whose tangent is
+    silently zero."""
+    for name, x in (("Q", Q), ("D", D)):
+        if forward_ad.unpack_dual(x).tangent is not None:
+            raise RuntimeError(
+                f"maxsim: {name} carries a forward-mode AD tangent (torch.autograd.forward_ad, torch.func.jvp), which "
+                "the Triton path does not propagate; the PyTorch path (maxsim.backend('torch')) propagates it through "
+                "its PyTorch ops for inputs that do not require grad"
+            )
 
 
 def backward_impl(
