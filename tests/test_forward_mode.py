@@ -1,7 +1,7 @@
 """Forward-mode AD (``torch.autograd.forward_ad``, ``torch.func.jvp``) and ``torch.func.vmap`` of calls whose inputs
 do not require grad. The PyTorch path computes with differentiable, batchable PyTorch ops, so its tangents and
-batched scores are the reference's (where an op has no forward AD, PyTorch raises); the Triton kernels propagate no tangent, so a dual input raises there instead
-of giving scores whose tangent is silently zero."""
+batched scores are the reference's (where an op has no forward AD, PyTorch raises); the Triton kernels propagate no
+tangent, so a dual input raises there instead of giving scores whose tangent is silently zero."""
 
 from __future__ import annotations
 
