@@ -68,3 +68,14 @@ def test_the_pytorch_path_under_vmap_is_the_references():
     with maxsim.backend("torch"):
         got = torch.func.vmap(lambda q: fn(q, D))(Qs)
     torch.testing.assert_close(got, torch.stack([ref(q, D) for q in Qs]), rtol=1e-12, atol=1e-12)
+
+
+def test_the_triton_path_refuses_vmap(device):
+    if not triton_usable(device):
+        pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
+    name, fn, _ref, Q, D, kw = _cases(device, torch.float32)[0]
+    with maxsim.backend("triton"):
+        fn(Q, D)  # (filed for repeats: a batched call must not take the repeat)
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="torch.func transform"):
+                torch.func.vmap(lambda q: fn(q, D))(torch.stack([Q, Q]))

@@ -23,6 +23,7 @@ from .backend import choose_impl, get_backend
 from .layout import Ragged, Views, accum_dtype, argmax_dtype, dims, view_as_canonical, view_as_given
 
 _launch = None
+_functorch_level = torch._C._functorch.maybe_current_level  # (None outside torch.func transforms)
 
 
 def _triton_path():
@@ -67,8 +68,8 @@ def repeat_key(
     ``"step"``, with its resolved ``deterministic`` flag."""
     if not (isinstance(Q, Tensor) and isinstance(D, Tensor) and type(normalize) is bool and type(backward) is str):
         return None
-    if forward_ad._current_level >= 0:  # (forward-mode AD: the full path, which refuses tangents it would drop)
-        return None
+    if forward_ad._current_level >= 0 or _functorch_level() is not None:
+        return None  # (forward-mode AD, a torch.func transform: the full path, which refuses what it cannot run)
     step = torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)
     masked = q_mask is not None or d_mask is not None
     on_cpu = Q.is_cpu
@@ -169,8 +170,8 @@ def forward_impl(
     (:func:`maxsim.cpu_ragged.forward_for_step`) in place of the argmax (then empty). ``views``: ``Q`` and ``D`` are the
     caller's tensors, to be viewed canonically, and the results come in the caller's shape (``views.out``)."""
     if impl == "triton":
-        if forward_ad._current_level >= 0:
-            _refuse_tangents(Q, D)
+        if forward_ad._current_level >= 0 or _functorch_level() is not None:
+            _refuse_transformed(Q, D)
         return _triton_path().forward_keeping_norms(Q, D, q_mask, d_mask, normalize, need_argmax, rg, views=views)
     if views is not None:
         Q, D = _in_views(Q, D, views)
@@ -198,15 +199,20 @@ def forward_impl(
     return scores, argmax, None
 
 
-def _refuse_tangents(Q: Tensor, D: Tensor) -> None:
-    """The Triton kernels propagate no forward-mode tangent: a dual input would give scores whose tangent is
-    silently zero."""
+def _refuse_transformed(Q: Tensor, D: Tensor) -> None:
+    """The Triton kernels propagate no forward-mode tangent (a dual input would give scores whose tangent is silently
+    zero) and read no tensor of a ``torch.func`` transform (``vmap``'s batched tensors have no storage)."""
     for name, x in (("Q", Q), ("D", D)):
         if forward_ad.unpack_dual(x).tangent is not None:
             raise RuntimeError(
                 f"maxsim: {name} carries a forward-mode AD tangent (torch.autograd.forward_ad, torch.func.jvp), which "
                 "the Triton path does not propagate; the PyTorch path (maxsim.backend('torch')) propagates it through "
                 "its PyTorch ops for inputs that do not require grad"
+            )
+        if torch._C._functorch.is_functorch_wrapped_tensor(x):
+            raise RuntimeError(
+                f"maxsim: {name} is a tensor of a torch.func transform (vmap, grad, ...), which the Triton path cannot "
+                "read; the PyTorch path (maxsim.backend('torch')) runs under vmap for inputs that do not require grad"
             )
 
 
