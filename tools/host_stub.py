@@ -43,7 +43,7 @@ class _FakeKernel:
 
 def stub_gpu() -> None:
     """Route every call to the Triton path and make its launches no-ops (one process only: nothing is restored)."""
-    torch._C._cuda_getDevice = lambda: 0
+    torch._C._cuda_getDevice = lambda: -1  # (the meta tensors' get_device(): the launches' device check passes)
     torch._C._cuda_getCurrentRawStream = lambda device: 0
     launch._sm_count = lambda device: 132
     launch._l2_bytes = lambda device: 50 * 2**20

@@ -79,7 +79,7 @@ class Launcher:
             self.kernel[(grid,)](*tensors, *ints, **constexprs, num_warps=num_warps, num_stages=num_stages)
             return
         device = _device_of(tensors[0])
-        if device != _current_device():
+        if device != _current_device() and device >= 0:  # (a CPU or meta tensor's -1: no device to switch to)
             # Triton compiles for, and launches on, the current device; tensors on another GPU (cuda:1 while cuda:0
             # is current) would get device 0's kernel run on device 1's pointers. Rare, so a guard only here.
             with torch.cuda.device(device):
