@@ -269,12 +269,89 @@ def test_cpu_anything_the_plan_depends_on_takes_the_full_path(change, full_path,
     for _ in range(2):
         with torch.no_grad() if change != "grad" else torch.enable_grad():
             out = maxsim.maxsim(Q, D, **kw)
-    repeats = 1 if change in ("normalize", "masks", "argmax", "grad", "blocks") else 0  # (never kept: both full)
+    # (never kept: both full; a training call is kept as a step, a repeat of its own)
+    repeats = 1 if change in ("normalize", "masks", "argmax", "blocks") else 0
     assert len(full_path) == 2 + repeats, f"{change}: {len(full_path)} full-path calls"
     want = maxsim_reference(Q.detach(), D, normalize=kw.get("normalize", False)).float()
     scores = out[0] if change == "argmax" else out
     tol = 1e-6 if change == "normalize" else 0
     torch.testing.assert_close(scores.detach().to(want.dtype), want, rtol=tol, atol=tol)
+
+
+def _int_grad(shape):
+    """An upstream gradient of small integers (never all ones): every sum of the step exact."""
+    return torch.randint(-3, 4, tuple(shape), generator=torch.Generator().manual_seed(2)).float()
+
+
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalize"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("shape", ["cross", "candidates", "one query", "one document", "one of each", "pairs"])
+def test_cpu_training_repeats_step_as_the_full_path(shape, dtype, normalize, full_path):
+    """A repeated training signature of the PyTorch path (:class:`maxsim.ops.CpuStep`) skips the full path and gives
+    its scores and gradients bit for bit (on integer tokens, the reference's), in the caller's shapes; the upstream
+    gradient both as a tensor and as ``scores.sum()``'s expanded one."""
+    fn = maxsim.maxsim_pairs if shape == "pairs" else maxsim.maxsim
+    Q, D = _cpu_inputs("cross" if shape == "pairs" else shape, dtype)
+    Q2, D2 = _cpu_inputs("cross" if shape == "pairs" else shape, dtype, seed=5)
+    if shape == "pairs":  # (as many documents as queries)
+        D, D2 = D[:3], D2[:3]
+    g = _int_grad(fn(Q, D).shape)
+    ops._cpu_repeats.clear()  # (that inference call's)
+    first = _train(fn, Q, D, g, normalize=normalize)
+    n = len(full_path)
+    assert [type(v) for v in ops._cpu_repeats.values()] == [ops.CpuStep]
+    again = [_train(fn, Q2, D2, g, normalize=normalize), _train(fn, Q2, D2, None, normalize=normalize)]
+    assert len(full_path) == n, "the repeat took the full path"
+    ops._cpu_repeats.clear()
+    full = [_train(fn, Q2, D2, g, normalize=normalize), _train(fn, Q2, D2, None, normalize=normalize)]
+    for a, b in zip(again, full, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)
+    if not normalize:  # (integer tokens: exact sums)
+        ref = pairs_reference if shape == "pairs" else maxsim_reference
+        _assert_step_equal(first, _reference_train(ref, Q, D, g))
+        _assert_step_equal(again[0], _reference_train(ref, Q2, D2, g))
+
+
+def test_cpu_training_repeats_of_tokens_that_are_not_finite():
+    """A repeated step whose tokens hold NaN or inf takes the link list in its backward, as the full path does."""
+    Q, D = _cpu_inputs("cross")
+    g = _int_grad((3, 4))
+    _train(maxsim.maxsim, Q, D, g)
+    D2 = D.clone()
+    D2[1, 3, 0] = float("nan")
+    D2[2, 0, :] = float("inf")
+    again = _train(maxsim.maxsim, Q, D2, g)
+    ops._cpu_repeats.clear()
+    full = _train(maxsim.maxsim, Q, D2, g)
+    for x, y in zip(again, full, strict=True):
+        assert torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(), y.nan_to_num())
+
+
+@pytest.mark.parametrize("change", ["settings", "too large", "masks"])
+def test_cpu_training_calls_that_the_step_does_not_take_are_not_kept(change, full_path, monkeypatch):
+    """Steps the full path takes another way (its step's bound, a mask) are never kept; a change of the setting the
+    choice reads is a new signature."""
+    from maxsim import cpu
+
+    Q, D = _cpu_inputs("cross")
+    g = _int_grad((3, 4))
+    kw = {}
+    if change == "settings":
+        _train(maxsim.maxsim, Q, D, g)
+        monkeypatch.setattr(cpu, "DENSE_BACKWARD_MAX", 0)
+        monkeypatch.setattr(cpu, "STEP_MAX_LD", 0)
+    elif change == "too large":
+        monkeypatch.setattr(cpu, "DENSE_BACKWARD_MAX", 0)
+        monkeypatch.setattr(cpu, "STEP_MAX_LD", 0)
+    else:
+        kw = dict(zip(("q_mask", "d_mask"), _masks(Q, D, 3), strict=True))
+    n = len(full_path)
+    for _ in range(2):
+        got = _train(maxsim.maxsim, Q, D, g, **kw)
+    assert len(full_path) == n + 2
+    assert all(not isinstance(v, ops.CpuStep) for k, v in ops._cpu_repeats.items() if k[-1] == cpu.step_settings())
+    _assert_step_equal(got, _reference_train(functools.partial(maxsim_reference, **kw), Q, D, g))
 
 
 def test_cpu_repeats_are_bounded(monkeypatch):
@@ -484,7 +561,7 @@ def test_no_grad_calls_of_leaves_that_require_grad_repeat_as_inference(triton_on
         assert ops.repeat_key(Q, D, False, "auto")[0] == "repeat"
     assert ops.repeat_key(Q, D, False, "auto")[0] == "step"
     with maxsim.backend("torch"):
-        assert ops.repeat_key(Q.cpu(), D.cpu(), False, "auto") is None  # (the PyTorch path's steps: full path)
+        assert ops.repeat_key(Q.cpu(), D.cpu(), False, "auto")[0] == "step"  # (the PyTorch path's: CpuStep)
 
 
 # ---- masks: their shapes, strides, dtypes and devices in the signature, their values read by the launch -------------

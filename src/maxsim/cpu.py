@@ -201,6 +201,12 @@ def plain_settings() -> tuple:
             DOCUMENTS_FIRST_MIN_SIMS)  # fmt: skip
 
 
+def step_settings() -> tuple:
+    """What a training step's choice of :func:`forward_for_step` reads besides the sizes (:func:`step_fits`), with
+    :func:`plain_settings` (a repeated step's signature holds it)."""
+    return (*plain_settings(), DENSE_BACKWARD_MAX, STEP_MAX_LD)
+
+
 def plain_scores(
     q: int, Lq: int, dim: int, b: int, k: int, Ld: int, acc: torch.dtype, dtype: torch.dtype
 ) -> Callable[[Tensor, Tensor], Tensor]:

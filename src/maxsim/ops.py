@@ -14,6 +14,8 @@ GPU work); under ``torch.compile`` it calls the registered ops instead. Both rou
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.autograd.forward_ad as forward_ad
 from torch import Tensor
@@ -75,9 +77,9 @@ def repeat_key(
     on_cpu = Q.is_cpu
     backend = get_backend()
     if on_cpu:
-        # (the PyTorch path repeats its plain block only: a scores-only call without masks or normalize; an
-        # interpreted Triton call repeats as on a GPU, but for a scores-only one with normalize)
-        if (normalize and not step) or (backend != "triton" and (step or masked)):
+        # (the PyTorch path repeats its plain block, a scores-only call without masks or normalize, and its mask-free
+        # training step; an interpreted Triton call repeats as on a GPU, but for a scores-only one with normalize)
+        if (normalize and not step) or (backend != "triton" and masked):
             return None
     elif _launch is None:  # (no Triton call yet: nothing filed for it)
         return None
@@ -94,7 +96,8 @@ def repeat_key(
             backward == "auto" and torch.are_deterministic_algorithms_enabled()
         )
         return ("step", function, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype, Q.device, D.device,
-                normalize, backward, deterministic, backend, f32, masks)  # fmt: skip
+                normalize, backward, deterministic, backend, f32, masks,
+                cpu.step_settings() if on_cpu else None)  # fmt: skip
     return ("repeat", function, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype, Q.device, D.device,
             normalize, backward, backend, f32, cpu.plain_settings() if on_cpu else None, masks)  # fmt: skip
 
@@ -105,6 +108,9 @@ def run_repeat(
     """The scores of a repeated call (see above), or None if no earlier call filed its signature. The masks are the
     caller's (their canonical views share their pointers)."""
     if key[0] == "step":
+        cpu_step = _cpu_repeats.get(key) if Q.is_cpu else None
+        if cpu_step is not None:
+            return _RepeatedCpuStep.apply(Q, D, cpu_step)
         step = None if _launch is None else _launch.step_plan(key)
         masks = None if q_mask is None and d_mask is None else (q_mask, d_mask)
         return None if step is None else _RepeatedStep.apply(Q, D, step, masks)
@@ -120,24 +126,72 @@ def keep_repeat(
 ) -> None:  # fmt: skip
     """After the full path of a call with signature ``key`` (:func:`repeat_key`): file its launch plan, if the
     Triton path ran and kept one (a training call's: the forward's with the argmax, and the backward's options), or
-    the PyTorch path's one-block forward (:func:`maxsim.cpu.plain_scores`, mask-free). The masks are the canonical
-    views the full path planned with."""
+    the PyTorch path's one-block forward (:func:`maxsim.cpu.plain_scores`, mask-free) or mask-free training step
+    (:class:`CpuStep`). The masks are the canonical views the full path planned with."""
     if choose_impl(Q) == "triton":
         if key[0] == "step":
             _launch.keep_step(key, Q, D, normalize, deterministic, views, q_mask, d_mask)
         else:
             _launch.keep_repeat(key, Q, D, normalize, views, q_mask, d_mask)
         return
-    if key[0] == "step" or q_mask is not None or d_mask is not None:
+    if q_mask is not None or d_mask is not None or Q.device.type != "cpu":
         return
     Qc, Dc = _in_views(Q, D, views)
-    if Q.device.type != "cpu" or normalize or Qc.numel() == 0 or Dc.numel() == 0 or not cpu.one_block(Qc, Dc):
+    if key[0] == "step":
+        if cpu.step_fits(Qc, Dc, None, None, normalize):  # (as the full path's forward_impl decided)
+            _file_cpu_repeat(key, CpuStep(views, normalize, argmax_dtype(Dc.shape[2])))
+        return
+    if normalize or Qc.numel() == 0 or Dc.numel() == 0 or not cpu.one_block(Qc, Dc):
         return
     scores = cpu.plain_scores(*Qc.shape, *Dc.shape[:3], accum_dtype(Q.dtype), Q.dtype)
     out = views.out
+    _file_cpu_repeat(key, scores if out is None else (lambda Q, D: scores(Q, D).view(out)))
+
+
+def _file_cpu_repeat(key: tuple, run: object) -> None:
     if len(_cpu_repeats) >= CPU_REPEATS_MAX:
         _cpu_repeats.clear()
-    _cpu_repeats[key] = scores if out is None else (lambda Q, D: scores(Q, D).view(out))
+    _cpu_repeats[key] = run
+
+
+class CpuStep(NamedTuple):
+    """A training step of the PyTorch path filed for repeats (:class:`_RepeatedCpuStep`): how the caller's tensors
+    are viewed, ``normalize``, and the argmax dtype the full path's step gave :func:`maxsim.cpu.forward_for_step`."""
+
+    views: Views
+    normalize: bool
+    index_dtype: torch.dtype
+
+
+class _RepeatedCpuStep(torch.autograd.Function):
+    """A repeated mask-free training call of the PyTorch path whose full path took :func:`maxsim.cpu.step_fits`'s
+    step: ``apply(Q, D, step)`` -> the scores, through the same :func:`maxsim.cpu.forward_for_step` and
+    :func:`maxsim.cpu.backward_for_step` (so the same numbers, and gradients differentiable again as the full
+    path's), without the layers between. The argmax stays canonical: it is saved, not returned."""
+
+    @staticmethod
+    def forward(ctx, Q, D, step):
+        views = step.views
+        scores, argmax, sims_sum = cpu.forward_for_step(
+            view_as_canonical(Q, views.q), view_as_canonical(D, views.d), step.normalize, step.index_dtype
+        )
+        ctx.save_for_backward(Q, D, argmax, sims_sum)
+        ctx.step = step
+        ctx.set_materialize_grads(False)
+        return scores if views.out is None else scores.view(views.out)
+
+    @staticmethod
+    def backward(ctx, grad_scores):
+        if grad_scores is None:
+            return None, None, None
+        Q, D, argmax, sims_sum = ctx.saved_tensors
+        step = ctx.step
+        views = step.views
+        grad = grad_scores if views.out is None else grad_scores.view(argmax.shape[:2])
+        dQ, dD = cpu.backward_for_step(
+            grad, view_as_canonical(Q, views.q), view_as_canonical(D, views.d), argmax, step.normalize, sims_sum
+        )
+        return view_as_given(dQ, views.q), view_as_given(dD, views.d), None
 
 
 def ragged(
