@@ -47,7 +47,7 @@ def _triton_path():
 # the first call (v112, pairs v115). A training call of the Triton path (an input that requires grad) repeats the
 # same way through :class:`_RepeatedStep`, its backward plan found without its key (v118): the small training step
 # is host time. Masks repeat on the Triton path (v119): the launch reads the caller's, whose canonical views share
-# their pointers.
+# their pointers. A mask-free training call of the PyTorch path repeats through :class:`_RepeatedCpuStep` (v121).
 
 CPU_REPEATS_MAX = 256
 """Signatures of CPU calls kept for repeats; past this many, the store starts over."""
