@@ -179,20 +179,56 @@ def _forward_block(
             db = db * inv_d[..., None]
     if _documents_first(q * Lq if b == 1 else Lq, dim, q * Lq * k * Ld, need_argmax):
         return _block_documents_first(qb, db, q_mask, d_mask, need_argmax, index_dtype, sum_sims, inv_d, scale_sim)
+    masked = False  # (whether the product itself left the masked document tokens at -inf)
     if b == 1:
-        sim = (qb.reshape(q * Lq, dim) @ db.reshape(k * Ld, dim).T).view(q, Lq, k, Ld)
+        rows = q * Lq
+        if (
+            d_mask is not None and not (normalize or sum_sims) and rows >= MASKED_PRODUCT_MIN_ROWS * dim
+            and qb.device.type == "cpu"
+        ):  # fmt: skip
+            masked = math.isfinite(float(qb.sum()))  # (a CPU scalar: not a sync; float64 on a GPU never asks)
+        if masked:
+            sim = _masked_product(qb.reshape(rows, dim), db.reshape(k * Ld, dim), d_mask.reshape(k * Ld))
+        else:
+            sim = qb.reshape(rows, dim) @ db.reshape(k * Ld, dim).T
+        sim = sim.view(q, Lq, k, Ld)
     else:
         sim = torch.bmm(qb, db.reshape(q, k * Ld, dim).transpose(1, 2)).view(q, Lq, k, Ld)
     if scale_sim:
         sim.mul_(inv_d[:, None, :, :])
     total = sim.sum() if sum_sims else None
-    if d_mask is not None:
+    if d_mask is not None and not masked:
         sim.masked_fill_(~d_mask[:, None, :, :], float("-inf"))
     if need_argmax:
         best, arg = sim.max(dim=-1)  # [q, Lq, k]; ties -> lowest index; NaN propagates
     else:
         best, arg = sim.amax(dim=-1), None  # NaN propagates
     return _block_scores(best, arg, q_mask, d_mask, need_argmax, index_dtype, total)
+
+
+MASKED_PRODUCT_MIN_ROWS = 4
+"""Query rows a token dimension (``q·Lq >= MASKED_PRODUCT_MIN_ROWS · dim``) from which a block against shared documents
+with a document mask masks inside its product (:func:`_masked_product`) instead of filling the similarities with -inf
+afterwards: the similarities ``[q·Lq, k·Ld]`` are then written once, and only ``D`` is copied. This 2-core CPU, fp32,
+product and row max, masked fill -> masked product, by rows and dim (k·Ld of 1280 and 5120): dim 128, 128 rows
+1.22x / 2.27x, 256 rows 1.10x / 0.99x, 512 rows 0.90x / 0.81x, 1024 rows 0.76x / 0.75x; dim 64, 256 rows 0.98x / 0.85x,
+512 rows 0.79x / 0.70x, 1024 rows 0.71x / 0.64x."""
+
+
+def _masked_product(Q: Tensor, D: Tensor, valid: Tensor) -> Tensor:
+    """``Q [rows, dim] · D [n, dim]ᵀ`` with the invalid document tokens (``valid [n]`` False) at -inf, as one GEMM of
+    one more dimension: ``[Q, 1] · [D·valid, bias]ᵀ`` with ``bias`` 0 or -inf. A valid token's similarity gains an exact
+    ``+0``; an invalid one is ``0 + -inf`` (its garbage, NaN included, zeroed first). Every element of ``Q`` must be
+    finite (``inf · 0`` is NaN)."""
+    rows, dim = Q.shape
+    n = D.shape[0]
+    Qa = torch.empty((rows, dim + 1), dtype=Q.dtype, device=Q.device)
+    Qa[:, :dim] = Q
+    Qa[:, dim] = 1.0
+    Da = torch.empty((n, dim + 1), dtype=D.dtype, device=D.device)
+    torch.where(valid[:, None], D, D.new_zeros(()), out=Da[:, :dim])
+    torch.where(valid, D.new_zeros(()), D.new_full((), float("-inf")), out=Da[:, dim])
+    return Qa @ Da.T
 
 
 def plain_settings() -> tuple:
