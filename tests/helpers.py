@@ -101,7 +101,7 @@ def forward_launches(monkeypatch, call, pick) -> list:
     """``pick(constexprs, num_warps, num_stages)`` of every forward-kernel launch that ``call`` makes under
     ``no_grad``, the launches recorded, not run (the interpreter's check off, so a CPU machine plans as a GPU
     would; plans cleared before and after)."""
-    from maxsim.kernels import launch, launcher
+    from maxsim.kernels import launch_args, launch_forward, launcher
 
     seen: list = []
 
@@ -113,11 +113,11 @@ def forward_launches(monkeypatch, call, pick) -> list:
 
     with monkeypatch.context() as m:
         m.setattr(launcher.Launcher, "__call__", record)
-        m.setattr(launch, "INTERPRETER", False)
-        launch._plans.clear()
+        m.setattr(launch_args, "INTERPRETER", False)
+        launch_forward.plans.clear()
         with torch.no_grad():
             call()
-        launch._plans.clear()
+        launch_forward.plans.clear()
     return seen
 
 

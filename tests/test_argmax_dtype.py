@@ -26,10 +26,10 @@ def test_saved_in_the_rule_dtype_returned_as_int32_and_both_give_the_gradients(i
         pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
     monkeypatch.setattr(layout, "ARGMAX_INT16_MAX_LD", limit)
     if impl == "triton":
-        from maxsim.kernels import launch
+        from maxsim.kernels import launch_backward, launch_forward
 
-        monkeypatch.setattr(launch, "_plans", {})  # (plans record the dtype)
-        monkeypatch.setattr(launch, "_bplans", {})
+        monkeypatch.setattr(launch_forward, "plans", {})  # (plans record the dtype)
+        monkeypatch.setattr(launch_backward, "plans", {})
     dtype = torch.float32 if INTERPRET and impl == "triton" else torch.bfloat16
     Q = randn((3, 5, 16), seed=1, dtype=dtype, device=device)
     D = randn((4, 6, 16), seed=2, dtype=dtype, device=device)

@@ -250,7 +250,7 @@ def test_no_recompile_across_ragged_lengths():
     within the longest query's power-of-two bucket compile nothing new. (The number of queries keeps to one
     packing bucket, 5..8: below 8 queries the cross product packs fewer per program, a bounded set of variants.
     Launches of few programs against long documents take the few-program variants: chunked documents
-    (launch.DOC_SPLIT_*), and for thin row blocks (a pair list) the deep pipeline (launch.DEEP_PIPELINE) with and
+    (DOC_SPLIT_*), and for thin row blocks (a pair list) the deep pipeline (DEEP_PIPELINE) with and
     without chunks; the warm-up compiles each of them once.)"""
     lq = [5, 20, 32, 9, 11]
     _ragged_fwd_bwd(lq, [40, 7, 300], [(0, 1), (2, 2), (1, 0)], seed=0)
@@ -306,14 +306,16 @@ def test_training_peak_is_the_gradients_and_the_atomics_buffer():
     """A fast step of a large cross product whose dQ walk is split (128 queries against 128 documents: fp32 slices of
     Q's size, twice) peaks at the cast of dD: scores, argmax, dQ, the fp32 buffer and dD, nothing else alive (the
     slices are freed before it)."""
-    from maxsim.kernels import launch
+    from maxsim.kernels import launch_backward
 
     Q = randn((128, 23, 128), seed=1, dtype=torch.bfloat16, device=DEV).requires_grad_()
     D = randn((128, 333, 128), seed=2, dtype=torch.bfloat16, device=DEV).requires_grad_()
     g = upstream_grad((128, 128), seed=3, device=DEV)
-    launch._bplans.clear()
+    launch_backward.plans.clear()
     torch.autograd.grad(maxsim.maxsim(Q, D), (Q, D), g)
-    assert [(p.dq_splits > 1, p.dd_owned) for p in launch._bplans.values()] == [(True, False)], "not the split walk"
+    assert [(p.dq_splits > 1, p.dd_owned) for p in launch_backward.plans.values()] == [(True, False)], (
+        "not the split walk"
+    )
     # (as in the chunked test below: objects left in reference cycles by earlier calls, freed by a collection during
     # the measured step, would lower its peak; this test failed once beside 13 shards and passed alone)
     gc.collect()
@@ -330,18 +332,18 @@ def test_training_peak_is_the_gradients_and_the_atomics_buffer():
 
 
 def test_chunked_atomics_peak_at_the_gradients_and_the_last_chunks(monkeypatch):
-    """A fast step whose fp32 dD buffer would exceed launch.SCATTER_BUFFER_MAX_BYTES (256 queries against 256
+    """A fast step whose fp32 dD buffer would exceed launch_settings.SCATTER_BUFFER_MAX_BYTES (256 queries against 256
     documents of 300 tokens: 37.5 MiB) sums dD a chunk at a time, the first chunks in dD's own storage: it peaks at
     scores, the int16 argmax, dQ, dD and the last chunks' buffer, and its gradients are an unchunked step's (dQ
     bitwise: the same gather; dD up to the atomics' order)."""
-    from maxsim.kernels import launch
+    from maxsim.kernels import launch_backward, launch_settings
 
     Q = randn((256, 32, 128), seed=4, dtype=torch.bfloat16, device=DEV).requires_grad_()
     D = randn((256, 300, 128), seed=5, dtype=torch.bfloat16, device=DEV).requires_grad_()
     g = upstream_grad((256, 256), seed=6, device=DEV)
-    launch._bplans.clear()
+    launch_backward.plans.clear()
     torch.autograd.grad(maxsim.maxsim(Q, D), (Q, D), g)
-    plans = list(launch._bplans.values())
+    plans = list(launch_backward.plans.values())
     assert len(plans) == 1 and plans[0].dd_chunks and plans[0].dd_chunks[0][2], "not chunked in dD"
     gc.collect()  # (a first call's compilation may leave frames of the step in reference cycles)
     torch.cuda.synchronize()
@@ -353,10 +355,10 @@ def test_chunked_atomics_peak_at_the_gradients_and_the_last_chunks(monkeypatch):
     peak = torch.cuda.max_memory_allocated() - base
     need = 256 * 256 * 4 + 256 * 256 * 32 * 2 + Q.numel() * 2 + D.numel() * 2 + plans[0].dd_tail * 300 * 128 * 4
     assert need <= peak <= need + 2**18, f"peak {peak / 2**20:.3f} MiB, needed {need / 2**20:.3f} MiB"
-    monkeypatch.setattr(launch, "SCATTER_BUFFER_MAX_BYTES", 1 << 40)
-    launch._bplans.clear()
+    monkeypatch.setattr(launch_settings, "SCATTER_BUFFER_MAX_BYTES", 1 << 40)
+    launch_backward.plans.clear()
     dQ1, dD1 = torch.autograd.grad(maxsim.maxsim(Q, D), (Q, D), g)
-    assert [p.dd_chunks for p in launch._bplans.values()] == [()]
-    launch._bplans.clear()
+    assert [p.dd_chunks for p in launch_backward.plans.values()] == [()]
+    launch_backward.plans.clear()
     assert torch.equal(dQ, dQ1)
     torch.testing.assert_close(dD, dD1, rtol=1e-2, atol=1e-2 * float(dD1.abs().max()))

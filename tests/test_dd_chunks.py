@@ -1,4 +1,4 @@
-"""The fast backward of a large cross product sums dD a chunk of documents at a time (launch.py's
+"""The fast backward of a large cross product sums dD a chunk of documents at a time (launch_settings.py's
 SCATTER_BUFFER_MAX_BYTES and SCATTER_CHUNK_*), in an fp32 buffer of one chunk's size, then casts each chunk into dD
 (dd_chunks.py)."""
 
@@ -18,21 +18,21 @@ def test_chunked_atomics_match_the_reference(chunk_docs, fused, device, monkeypa
     tokens (contended atomics): the reference's gradients, and the plan says it chunked."""
     if not triton_usable(device):
         pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
-    from maxsim.kernels import dd_chunks, launch
+    from maxsim.kernels import dd_chunks, launch_backward, launch_settings
 
-    monkeypatch.setattr(launch, "SHARED_OWNER_MAX_WORK", 0)
-    monkeypatch.setattr(launch, "SHARED_OWNER_MAX_ROWS", 0)
-    monkeypatch.setattr(launch, "FUSED_SCATTER", fused)
+    monkeypatch.setattr(launch_settings, "SHARED_OWNER_MAX_WORK", 0)
+    monkeypatch.setattr(launch_settings, "SHARED_OWNER_MAX_ROWS", 0)
+    monkeypatch.setattr(launch_settings, "FUSED_SCATTER", fused)
     inp = make_inputs("cross", 4, 7, 9, 6, 32, dtype=torch.bfloat16, device=device, masks="holes",
                       seed=seed_of("chunks"))  # fmt: skip
-    monkeypatch.setattr(launch, "SCATTER_BUFFER_MAX_BYTES", 0)
-    monkeypatch.setattr(launch, "SCATTER_CHUNK_BYTES", chunk_docs * 6 * 32 * 4)
-    monkeypatch.setattr(launch, "SCATTER_CHUNK_MIN_LINKS", 0)
-    launch._bplans.clear()
+    monkeypatch.setattr(launch_settings, "SCATTER_BUFFER_MAX_BYTES", 0)
+    monkeypatch.setattr(launch_settings, "SCATTER_CHUNK_BYTES", chunk_docs * 6 * 32 * 4)
+    monkeypatch.setattr(launch_settings, "SCATTER_CHUNK_MIN_LINKS", 0)
+    launch_backward.plans.clear()
     with maxsim.backend("triton"):
         check_parity(inp, backward="fast", seed=3)
-    plan = next(iter(launch._bplans.values()))
-    launch._bplans.clear()
+    plan = next(iter(launch_backward.plans.values()))
+    launch_backward.plans.clear()
     # (1: chunks of 2, 1, 1, 1, 1, 1 documents, in dD, own buffer, dD, then the own buffer three times; 2: 2, 2, 1,
     # 2 in dD and the own buffer in turn; 3: 2 in dD, then 3 and 2 in the own buffer)
     assert (plan.dd_chunks, plan.fused_sc) == (dd_chunks.chunk_plan(7, chunk_docs)[0], bool(fused))
@@ -47,25 +47,25 @@ def test_atomics_ignore_poisoned_masked_tokens(chunked, normalize, poison, devic
     (chunked or not, with normalize), and masked tokens get a zero gradient."""
     if not triton_usable(device):
         pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
-    from maxsim.kernels import launch
+    from maxsim.kernels import launch_backward, launch_settings
 
-    monkeypatch.setattr(launch, "SHARED_OWNER_MAX_WORK", 0)
-    monkeypatch.setattr(launch, "SHARED_OWNER_MAX_ROWS", 0)
+    monkeypatch.setattr(launch_settings, "SHARED_OWNER_MAX_WORK", 0)
+    monkeypatch.setattr(launch_settings, "SHARED_OWNER_MAX_ROWS", 0)
     if chunked:
-        monkeypatch.setattr(launch, "SCATTER_BUFFER_MAX_BYTES", 0)
-        monkeypatch.setattr(launch, "SCATTER_CHUNK_BYTES", 6 * 32 * 4)
-        monkeypatch.setattr(launch, "SCATTER_CHUNK_MIN_LINKS", 0)
+        monkeypatch.setattr(launch_settings, "SCATTER_BUFFER_MAX_BYTES", 0)
+        monkeypatch.setattr(launch_settings, "SCATTER_CHUNK_BYTES", 6 * 32 * 4)
+        monkeypatch.setattr(launch_settings, "SCATTER_CHUNK_MIN_LINKS", 0)
     clean = make_inputs("cross", 3, 7, 9, 6, 32, dtype=torch.bfloat16, device=device, masks="holes",
                         seed=seed_of("poisoned atomics"))  # fmt: skip
     value = float("nan") if poison == "nan" else float("inf")
     Q, D = clean.Q.clone(), clean.D.clone()
     Q[~clean.q_mask] = value
     D[~clean.d_mask] = value
-    launch._bplans.clear()
+    launch_backward.plans.clear()
     with maxsim.backend("triton"):
         s, dQ, dD, grad = lib_forward_backward(clean.with_(Q=Q, D=D), normalize=normalize, backward="fast")
-    plan = next(iter(launch._bplans.values()))
-    launch._bplans.clear()
+    plan = next(iter(launch_backward.plans.values()))
+    launch_backward.plans.clear()
     assert not plan.dd_owned and bool(plan.dd_chunks) == chunked
     assert_matches_reference(clean, s, dQ, dD, grad, normalize=normalize)
     assert bool((dQ[~clean.q_mask] == 0).all()), "masked (poisoned) query tokens got a gradient"
@@ -77,40 +77,40 @@ def test_no_chunks_for_a_buffer_under_the_cap(device, monkeypatch):
     the whole buffer) are not chunked."""
     if not triton_usable(device):
         pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
-    from maxsim.kernels import launch
+    from maxsim.kernels import launch_backward, launch_settings
 
-    monkeypatch.setattr(launch, "SHARED_OWNER_MAX_WORK", 0)
-    monkeypatch.setattr(launch, "SHARED_OWNER_MAX_ROWS", 0)
-    monkeypatch.setattr(launch, "SCATTER_BUFFER_MAX_BYTES", 2 * 6 * 32 * 4)
-    monkeypatch.setattr(launch, "SCATTER_CHUNK_BYTES", 2 * 6 * 32 * 4)
-    monkeypatch.setattr(launch, "SCATTER_CHUNK_MIN_LINKS", 0)
+    monkeypatch.setattr(launch_settings, "SHARED_OWNER_MAX_WORK", 0)
+    monkeypatch.setattr(launch_settings, "SHARED_OWNER_MAX_ROWS", 0)
+    monkeypatch.setattr(launch_settings, "SCATTER_BUFFER_MAX_BYTES", 2 * 6 * 32 * 4)
+    monkeypatch.setattr(launch_settings, "SCATTER_CHUNK_BYTES", 2 * 6 * 32 * 4)
+    monkeypatch.setattr(launch_settings, "SCATTER_CHUNK_MIN_LINKS", 0)
     cases = [(torch.bfloat16, False, 2), (torch.float32, False, 0), (torch.bfloat16, True, 0)]  # (chunks)
     for dtype, normalize, want in cases:
         inp = make_inputs("cross", 2, 3, 5, 6, 32, dtype=dtype, device=device, seed=seed_of("chunks", dtype))
-        launch._bplans.clear()
+        launch_backward.plans.clear()
         with maxsim.backend("triton"):
             check_parity(inp, normalize=normalize, backward="fast", seed=4)
-        assert len(next(iter(launch._bplans.values())).dd_chunks) == want, (dtype, normalize)
+        assert len(next(iter(launch_backward.plans.values())).dd_chunks) == want, (dtype, normalize)
     inp = make_inputs("cross", 2, 3, 5, 6, 32, dtype=torch.bfloat16, device=device)
     # all 3 documents within the cap; chunks that would hold fewer links than SCATTER_CHUNK_MIN_LINKS, grown to the
     # 3 documents (2 queries x 5 tokens each): one launch; grown to 2 documents, past both the cap and the chunk
     # size of 1 document: not chunked either (the own buffer would hold 2 of the 3)
     doc = 6 * 32 * 4
     for cap, chunk, min_links in ((3 * doc, 2 * doc, 0), (0, 2 * doc, 2 * 5 * 3), (doc, doc, 2 * 5 * 2)):
-        monkeypatch.setattr(launch, "SCATTER_BUFFER_MAX_BYTES", cap)
-        monkeypatch.setattr(launch, "SCATTER_CHUNK_BYTES", chunk)
-        monkeypatch.setattr(launch, "SCATTER_CHUNK_MIN_LINKS", min_links)
-        launch._bplans.clear()
+        monkeypatch.setattr(launch_settings, "SCATTER_BUFFER_MAX_BYTES", cap)
+        monkeypatch.setattr(launch_settings, "SCATTER_CHUNK_BYTES", chunk)
+        monkeypatch.setattr(launch_settings, "SCATTER_CHUNK_MIN_LINKS", min_links)
+        launch_backward.plans.clear()
         with maxsim.backend("triton"):
             check_parity(inp, backward="fast")
-        assert next(iter(launch._bplans.values())).dd_chunks == (), (cap, min_links)
+        assert next(iter(launch_backward.plans.values())).dd_chunks == (), (cap, min_links)
     # (the same with a chunk size of 2 documents: chunked, the own buffer within it)
-    monkeypatch.setattr(launch, "SCATTER_CHUNK_BYTES", 2 * doc)
-    launch._bplans.clear()
+    monkeypatch.setattr(launch_settings, "SCATTER_CHUNK_BYTES", 2 * doc)
+    launch_backward.plans.clear()
     with maxsim.backend("triton"):
         check_parity(inp, backward="fast")
-    assert len(next(iter(launch._bplans.values())).dd_chunks) == 2
-    launch._bplans.clear()
+    assert len(next(iter(launch_backward.plans.values())).dd_chunks) == 2
+    launch_backward.plans.clear()
 
 
 @pytest.mark.parametrize("K", [1, 2, 3, 4, 7, 64, 256, 1000])

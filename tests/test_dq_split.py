@@ -1,5 +1,5 @@
 """The split dQ walk (few queries against many documents: each query's pairs summed in slices by several programs,
-then the slices summed in order; see ``launch.DQ_SPLIT_*``) gives the gradient of the plain walk: bitwise on
+then the slices summed in order; see ``launch_settings.DQ_SPLIT_*``) gives the gradient of the plain walk: bitwise on
 integer data, whose sums are exact in fp32, and within tolerance of the float64 reference otherwise."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from helpers import INTERPRET, int_grid, randn
 
 import maxsim
 from maxsim import reference
-from maxsim.kernels import launch
+from maxsim.kernels import device_info, launch_backward, launch_settings
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() or INTERPRET), reason="Triton kernels: a GPU or TRITON_INTERPRET=1"
@@ -20,18 +20,18 @@ pytestmark = pytest.mark.skipif(
 def _split(monkeypatch, on: bool) -> None:
     """Every walk of at least 4 pairs split into slices of at least 2 pairs (``on``: 11 pairs in 5 slices, the
     last one shorter), or never split."""
-    monkeypatch.setattr(launch, "DQ_SPLIT_MIN_K", 4 if on else 1 << 40)
-    monkeypatch.setattr(launch, "DQ_SPLIT_MIN_PAIRS", 2)
-    monkeypatch.setattr(launch, "DQ_SPLIT_PROGRAMS_PER_SM", 64)
+    monkeypatch.setattr(launch_settings, "DQ_SPLIT_MIN_K", 4 if on else 1 << 40)
+    monkeypatch.setattr(launch_settings, "DQ_SPLIT_MIN_PAIRS", 2)
+    monkeypatch.setattr(launch_settings, "DQ_SPLIT_PROGRAMS_PER_SM", 64)
 
 
 def _grads(monkeypatch, on: bool, call, Q, D, g):
     _split(monkeypatch, on)
-    launch._bplans.clear()
+    launch_backward.plans.clear()
     Qg, Dg = Q.detach().requires_grad_(), D.detach().requires_grad_()
     dQ, dD = torch.autograd.grad(call(Qg, Dg), (Qg, Dg), g)
-    splits = [p.dq_splits for p in launch._bplans.values()]
-    launch._bplans.clear()
+    splits = [p.dq_splits for p in launch_backward.plans.values()]
+    launch_backward.plans.clear()
     return dQ, dD, splits
 
 
@@ -95,12 +95,14 @@ def test_split_walk_matches_reference(layout, normalize, device, monkeypatch):
 def test_split_count_follows_programs_and_pairs(monkeypatch):
     """Splits only long walks of few programs, into slices of at least DQ_SPLIT_MIN_PAIRS pairs, enough for
     DQ_SPLIT_PROGRAMS_PER_SM programs a multiprocessor."""
-    monkeypatch.setattr(launch, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(device_info, "sm_count", lambda device: 132)
     dev = torch.device("cpu")
-    assert launch._dq_splits(4, launch.DQ_SPLIT_MIN_K - 1, dev) == 1
-    assert launch._dq_splits(4, 1000, dev) == 1000 // launch.DQ_SPLIT_MIN_PAIRS  # (1 query, Lq 64: 4 programs)
-    assert launch._dq_splits(64, 1000, dev) == 5  # 64 programs: 5 slices fill 2 a multiprocessor
-    assert launch._dq_splits(512, 1000, dev) == 1  # the GPU already full
+    assert launch_backward.dq_split_count(4, launch_settings.DQ_SPLIT_MIN_K - 1, dev) == 1
+    assert (
+        launch_backward.dq_split_count(4, 1000, dev) == 1000 // launch_settings.DQ_SPLIT_MIN_PAIRS
+    )  # (1 query, Lq 64: 4 programs)
+    assert launch_backward.dq_split_count(64, 1000, dev) == 5  # 64 programs: 5 slices fill 2 a multiprocessor
+    assert launch_backward.dq_split_count(512, 1000, dev) == 1  # the GPU already full
 
 
 def test_few_query_cross_products_own_their_documents():
@@ -109,8 +111,8 @@ def test_few_query_cross_products_own_their_documents():
     from maxsim.kernels.configs import backward_config
 
     cfg = backward_config(64, 128)
-    assert launch._shared_owned(1, 64, 1000, 300, 128, cfg)  # 64 rows against 1000 long documents
-    assert launch._shared_owned(2, 64, 10**6, 300, 128, cfg)  # 128 rows
-    assert not launch._shared_owned(3, 64, 1000, 300, 128, cfg)
-    assert launch._shared_owned(64, 32, 64, 128, 128, backward_config(32, 128))  # small work (2^31)
-    assert not launch._shared_owned(64, 32, 64, 1024, 128, backward_config(32, 128))
+    assert launch_backward.shared_owned(1, 64, 1000, 300, 128, cfg)  # 64 rows against 1000 long documents
+    assert launch_backward.shared_owned(2, 64, 10**6, 300, 128, cfg)  # 128 rows
+    assert not launch_backward.shared_owned(3, 64, 1000, 300, 128, cfg)
+    assert launch_backward.shared_owned(64, 32, 64, 128, 128, backward_config(32, 128))  # small work (2^31)
+    assert not launch_backward.shared_owned(64, 32, 64, 1024, 128, backward_config(32, 128))

@@ -1,4 +1,4 @@
-"""Launches of few programs (see ``launch.DEEP_PIPELINE`` and ``launch.DOC_SPLIT_*``) score exactly as the table's
+"""Launches of few programs (``launch_settings.DEEP_PIPELINE``, ``DOC_SPLIT_*``) score exactly as the table's
 launch. Documents scanned in chunks (each document split over several forward programs, their row maxima folded
 afterwards): bitwise on integer data (scores, argmax and gradients, every layout, masks with holes, a chunk wholly
 masked, empty documents and queries, ties across chunks, NaN), and within tolerance of the float64 reference
@@ -12,7 +12,7 @@ from helpers import INTERPRET, int_grid, keep_under_interpreter, rand_mask, rand
 
 import maxsim
 from maxsim import reference
-from maxsim.kernels import launch
+from maxsim.kernels import device_info, launch_forward, launch_settings
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() or INTERPRET), reason="Triton kernels: a GPU or TRITON_INTERPRET=1"
@@ -29,23 +29,23 @@ def _fresh_plans(monkeypatch):
         maxsim.set_backend("triton")
     # Scans of any size stream where their layout allows (the rule would exclude every small test shape), so that
     # chunks are covered in both tile loops.
-    monkeypatch.setattr(launch, "STREAM_L2_RANGE", (0.0, float("inf")))
-    monkeypatch.setattr(launch, "STREAM_MASKED_MIN_BLOCK_K", 0)
-    launch._plans.clear()
+    monkeypatch.setattr(launch_settings, "STREAM_L2_RANGE", (0.0, float("inf")))
+    monkeypatch.setattr(launch_settings, "STREAM_MASKED_MIN_BLOCK_K", 0)
+    launch_forward.plans.clear()
     yield
-    launch._plans.clear()
+    launch_forward.plans.clear()
 
 
 def _chunked(monkeypatch, tiles: int | None, deep: bool = False) -> None:
     """Documents scanned in chunks of ``tiles`` tiles (a GPU of 4096 multiprocessors wants as many as it can get),
     or (None) never chunked; ``deep``: thin row blocks of any document length take the deep-pipelined
     configuration (else never)."""
-    monkeypatch.setattr(launch, "_sm_count", lambda device: 4096)
-    monkeypatch.setattr(launch, "DOC_SPLIT_MIN_TILES", tiles or 1)
-    monkeypatch.setattr(launch, "DOC_SPLIT_PROGRAMS_PER_SM", 0 if tiles is None else 2)
-    monkeypatch.setattr(launch, "DEEP_PIPELINE", int(deep))
-    monkeypatch.setattr(launch, "DEEP_PIPELINE_MIN_LD", 0)
-    launch._plans.clear()
+    monkeypatch.setattr(device_info, "sm_count", lambda device: 4096)
+    monkeypatch.setattr(launch_settings, "DOC_SPLIT_MIN_TILES", tiles or 1)
+    monkeypatch.setattr(launch_settings, "DOC_SPLIT_PROGRAMS_PER_SM", 0 if tiles is None else 2)
+    monkeypatch.setattr(launch_settings, "DEEP_PIPELINE", int(deep))
+    monkeypatch.setattr(launch_settings, "DEEP_PIPELINE_MIN_LD", 0)
+    launch_forward.plans.clear()
 
 
 def _lens_cu(lens, device):
@@ -118,7 +118,7 @@ def _run(monkeypatch, tiles, call, Q, D, deep: bool = False):
     Qg, Dg = Q.detach().requires_grad_(), D.detach().requires_grad_()
     s_arg, arg = call(Qg, Dg, backward="deterministic", return_argmax=True)
     dQ, dD = torch.autograd.grad(s_arg, (Qg, Dg), torch.ones_like(s_arg))
-    chunks = sorted({p.n_dsplit for p in launch._plans.values()})
+    chunks = sorted({p.n_dsplit for p in launch_forward.plans.values()})
     return (scores, s_arg.detach(), arg, dQ, dD), chunks
 
 
@@ -189,7 +189,7 @@ def test_deep_pipeline_equals_table_launch_on_exact_data(layout, device, monkeyp
     Q, D, call, _ref = _layouts(device, DTYPE, int_grid, False)[layout]
     table, _ = _run(monkeypatch, None, call, Q, D)
     deep, chunked = _run(monkeypatch, 1, call, Q, D, deep=True)
-    assert {(p.constexprs["BLOCK_N"], p.num_stages) for p in launch._plans.values()} == {(128, 4)}
+    assert {(p.constexprs["BLOCK_N"], p.num_stages) for p in launch_forward.plans.values()} == {(128, 4)}
     assert min(chunked) > 1
     for a, b in zip(deep, table, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
@@ -202,25 +202,28 @@ def test_few_program_rules(monkeypatch):
     DOC_SPLIT_MIN_TILES tiles; chunks are whole tiles and cover the longest document."""
     from maxsim.kernels.configs import forward_config
 
-    monkeypatch.setattr(launch, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(device_info, "sm_count", lambda device: 132)
     dev = torch.device("cpu")
     D16, D32 = torch.empty(1, dtype=torch.bfloat16), torch.empty(1)
     thin = forward_config(32, 128, 64, False)
-    assert launch._deep_pipelined(64, thin, 2048, D16)
-    assert not launch._deep_pipelined(132, thin, 2048, D16)  # the GPU already full
-    assert not launch._deep_pipelined(64, thin, 256, D16)  # short documents
-    assert not launch._deep_pipelined(64, thin, 2048, D32)
-    assert not launch._deep_pipelined(64, forward_config(64, 128, 64, False), 2048, D16)  # 64 rows
-    assert not launch._deep_pipelined(64, forward_config(32, 256, 64, False), 2048, D16)  # two dim chunks
-    monkeypatch.setattr(launch, "_shared_bytes", lambda device: 99 << 10)  # (a consumer GPU's shared memory)
-    assert not launch._deep_pipelined(64, thin, 2048, D16)
+    assert launch_forward.deep_pipelined(64, thin, 2048, D16)
+    assert not launch_forward.deep_pipelined(132, thin, 2048, D16)  # the GPU already full
+    assert not launch_forward.deep_pipelined(64, thin, 256, D16)  # short documents
+    assert not launch_forward.deep_pipelined(64, thin, 2048, D32)
+    assert not launch_forward.deep_pipelined(64, forward_config(64, 128, 64, False), 2048, D16)  # 64 rows
+    assert not launch_forward.deep_pipelined(64, forward_config(32, 256, 64, False), 2048, D16)  # two dim chunks
+    monkeypatch.setattr(device_info, "shared_bytes", lambda device: 99 << 10)  # (a consumer GPU's shared memory)
+    assert not launch_forward.deep_pipelined(64, thin, 2048, D16)
 
-    assert launch._doc_chunks(34, 8192, 128, dev) == (1, 0)  # more than a quarter of the multiprocessors
-    assert launch._doc_chunks(33, 8192, 128, dev) == (4, 2048)  # 132 programs
-    assert launch._doc_chunks(1, 2048, 128, dev) == (4, 512)  # no chunk under 4 tiles
-    assert launch._doc_chunks(8, 128 * 7, 128, dev) == (1, 0)  # 7 tiles: no two chunks of 4
-    assert launch._doc_chunks(16, 300 * 128, 128, dev) == (9, 34 * 128)  # 300 tiles: 9 chunks (the last of 28)
-    n, length = launch._doc_chunks(10, 5000, 128, dev)  # 40 tiles: chunks of 4
+    assert launch_forward.document_chunks(34, 8192, 128, dev) == (1, 0)  # more than a quarter of the multiprocessors
+    assert launch_forward.document_chunks(33, 8192, 128, dev) == (4, 2048)  # 132 programs
+    assert launch_forward.document_chunks(1, 2048, 128, dev) == (4, 512)  # no chunk under 4 tiles
+    assert launch_forward.document_chunks(8, 128 * 7, 128, dev) == (1, 0)  # 7 tiles: no two chunks of 4
+    assert launch_forward.document_chunks(16, 300 * 128, 128, dev) == (
+        9,
+        34 * 128,
+    )  # 300 tiles: 9 chunks (the last of 28)
+    n, length = launch_forward.document_chunks(10, 5000, 128, dev)  # 40 tiles: chunks of 4
     assert (n, length) == (10, 512) and n * length >= 5000 > (n - 1) * length
-    monkeypatch.setattr(launch, "DOC_SPLIT_PROGRAMS_PER_SM", 0)
-    assert launch._doc_chunks(1, 2048, 128, dev) == (1, 0)
+    monkeypatch.setattr(launch_settings, "DOC_SPLIT_PROGRAMS_PER_SM", 0)
+    assert launch_forward.document_chunks(1, 2048, 128, dev) == (1, 0)

@@ -166,13 +166,13 @@ def test_plan_cache_launches_directly_and_follows_alignment(fake_gpu):
 
 def test_plans_tell_index_dtypes_apart():
     """Plans key on the dtypes of offsets and pair ids (a plan's launches reuse its kernel variant)."""
-    from maxsim.kernels.launch import _ragged_key
+    from maxsim.kernels.launch_args import ragged_plan_key
     from maxsim.layout import Ragged
 
     cu = torch.tensor([0, 2, 5])
     p32, p64 = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 1])
-    assert _ragged_key(Ragged(cu, cu, p32, p32, 3, 3)) != _ragged_key(Ragged(cu, cu, p32, p64, 3, 3))
-    assert _ragged_key(Ragged(cu.int(), cu, None, None, 3, 3)) != _ragged_key(Ragged(cu, cu, None, None, 3, 3))
+    assert ragged_plan_key(Ragged(cu, cu, p32, p32, 3, 3)) != ragged_plan_key(Ragged(cu, cu, p32, p64, 3, 3))
+    assert ragged_plan_key(Ragged(cu.int(), cu, None, None, 3, 3)) != ragged_plan_key(Ragged(cu, cu, None, None, 3, 3))
 
 
 def test_installed_hook_always_takes_tritons_path(fake_gpu, monkeypatch):
@@ -204,7 +204,7 @@ def test_hook_detection():
 def test_backward_plans_describe_every_call_exactly(monkeypatch):
     """A cached backward plan launches exactly what a freshly built one would, whatever changed between calls that
     the plan must follow (the upstream gradient's layout and dtype, flags, pair lists, the scan limit)."""
-    from maxsim.kernels import launch
+    from maxsim.kernels import launch, launch_args, launch_backward, launch_settings
     from maxsim.layout import Ragged, Views
 
     calls: list = []
@@ -216,7 +216,7 @@ def test_backward_plans_describe_every_call_exactly(monkeypatch):
                       tuple(constexprs.items()), num_warps))  # fmt: skip
 
     monkeypatch.setattr(launcher.Launcher, "__call__", record)
-    monkeypatch.setattr(launch, "INTERPRETER", False)
+    monkeypatch.setattr(launch_args, "INTERPRETER", False)
     Q = torch.randn(4, 6, 16)
     D = torch.randn(1, 5, 7, 16)
     Dc = torch.randn(4, 3, 7, 16)
@@ -246,38 +246,38 @@ def test_backward_plans_describe_every_call_exactly(monkeypatch):
         (torch.randn(8)[::2], Qp, Dp, argp[0], False, True, rg, None, Views((), (), (4,))),
         (torch.ones(()).expand(4), Qp, Dp, argp[0], False, False, rg, None, Views((), (), (4,))),
     ]
-    limits = (launch.PAIR_SCAN_MAX_WORK, 0)
+    limits = (launch_settings.PAIR_SCAN_MAX_WORK, 0)
     fresh = {}
     for limit in limits:
-        monkeypatch.setattr(launch, "PAIR_SCAN_MAX_WORK", limit)
+        monkeypatch.setattr(launch_settings, "PAIR_SCAN_MAX_WORK", limit)
         for i, case in enumerate(cases):
             calls.clear()
-            launch._bplans.clear()
+            launch_backward.plans.clear()
             launch.backward(*case)
             fresh[limit, i] = list(calls)
     assert fresh[limits[0], 9] != fresh[0, 9]  # the pair list really takes another path without the scan
-    launch._bplans.clear()
+    launch_backward.plans.clear()
     for _ in range(2):  # every case after every other, on plans cached along the way
         for limit in limits:
-            monkeypatch.setattr(launch, "PAIR_SCAN_MAX_WORK", limit)
+            monkeypatch.setattr(launch_settings, "PAIR_SCAN_MAX_WORK", limit)
             for i, case in enumerate(cases):
                 calls.clear()
                 launch.backward(*case)
                 assert calls == fresh[limit, i], (limit, i)
-    assert len(launch._bplans) < 2 * len(cases)  # plans were shared where the keys agree
+    assert len(launch_backward.plans) < 2 * len(cases)  # plans were shared where the keys agree
 
 
 def test_persistent_split_weighs_resident_one_document_programs():
     """Packed queries against shared documents (one persistent program per multiprocessor): long documents go one
     to a program, where the hardware keeps two resident; short ones are still walked several to a program."""
-    from maxsim.kernels import launch
+    from maxsim.kernels import launch_forward, launch_settings
 
     base, K, sms = 8, 64, 132  # 64 queries in blocks of 8 against 64 documents
-    gain = launch.ONE_DOC_GAIN
-    assert launch._docs_per_program(base, K, sms, 16) == 4  # without the gain: 4 documents of 16 tiles each
-    assert launch._docs_per_program(base, K, sms, 16, gain) == 1  # Ld 1024 in 64-token tiles
-    assert launch._docs_per_program(base, K, sms, 2, gain) == 4  # Ld 128
-    assert launch._docs_per_program(32, 256, sms, 5, gain) > 1  # 256 x 256, Ld 300
+    gain = launch_settings.ONE_DOC_GAIN
+    assert launch_forward.docs_per_program(base, K, sms, 16) == 4  # without the gain: 4 documents of 16 tiles each
+    assert launch_forward.docs_per_program(base, K, sms, 16, gain) == 1  # Ld 1024 in 64-token tiles
+    assert launch_forward.docs_per_program(base, K, sms, 2, gain) == 4  # Ld 128
+    assert launch_forward.docs_per_program(32, 256, sms, 5, gain) > 1  # 256 x 256, Ld 300
 
 
 def test_plan_cache_keys_on_foreign_tensors_only(fake_gpu):
@@ -327,7 +327,7 @@ def test_launches_name_every_caller_tensor_foreign(monkeypatch, name, args, grad
     caller's tensor left out would be assumed 16-byte aligned, and a misaligned one would run a variant compiled
     for aligned pointers."""
     from maxsim import ops
-    from maxsim.kernels import launch
+    from maxsim.kernels import launch_args, launch_backward, launch_forward
 
     launches: list = []
 
@@ -336,18 +336,18 @@ def test_launches_name_every_caller_tensor_foreign(monkeypatch, name, args, grad
         launches.append((self.kernel.__name__, tensors, plan_cache, foreign))
 
     monkeypatch.setattr(launcher.Launcher, "__call__", record)
-    monkeypatch.setattr(launch, "INTERPRETER", False)
+    monkeypatch.setattr(launch_args, "INTERPRETER", False)
     Q, D, q_mask, d_mask, normalize, rg, *views = args
     views = views[0] if views else None
-    launch._plans.clear()
-    launch._bplans.clear()
+    launch_forward.plans.clear()
+    launch_backward.plans.clear()
     for _ in range(2):  # planning, then planned
         scores, argmax, norms = ops.forward_impl(Q, D, q_mask, d_mask, normalize, True, "triton", rg, views)
         argmax.zero_()  # (the launches were not run)
         g = torch.randn(scores.shape) if grad is None else grad
         ops.backward_impl(g, Q, D, argmax, normalize, mode == "deterministic", "triton", rg, norms, views)
-    launch._plans.clear()
-    launch._bplans.clear()
+    launch_forward.plans.clear()
+    launch_backward.plans.clear()
     caller = [Q, D, q_mask, d_mask, g, *(() if rg is None else rg[:4])]
     owned = {t.untyped_storage().data_ptr() for t in caller if t is not None}
     planned = [(n, tensors, foreign) for n, tensors, cache, foreign in launches if cache is not None]
@@ -445,17 +445,17 @@ def test_fp32_runs_on_the_tensor_cores_at_fp32_accuracy(monkeypatch):
     """fp32 similarities are ``tf32x3`` products (fp32 accuracy on the tensor cores; the GPU tests check ~1e-5)
     unless torch's matmul precision allows TF32; 16-bit inputs are exact products either way. The fp32 table keeps
     blocks of at most 64 rows and one program per document (the split operands' shared memory: see configs)."""
-    from maxsim.kernels import launch
+    from maxsim.kernels import launch_args
     from maxsim.kernels.configs import forward_config
 
-    monkeypatch.setattr(launch, "INTERPRETER", False)
+    monkeypatch.setattr(launch_args, "INTERPRETER", False)
     before = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("highest")
-        assert launch._dot_precision(torch.float32) == "tf32x3"
+        assert launch_args.dot_precision(torch.float32) == "tf32x3"
         torch.set_float32_matmul_precision("high")
-        assert launch._dot_precision(torch.float32) == "tf32"
-        assert launch._dot_precision(torch.bfloat16) == launch._dot_precision(torch.float16) == "ieee"
+        assert launch_args.dot_precision(torch.float32) == "tf32"
+        assert launch_args.dot_precision(torch.bfloat16) == launch_args.dot_precision(torch.float16) == "ieee"
     finally:
         torch.set_float32_matmul_precision(before)
     for lq in (1, 8, 32, 33, 64, 65, 1024):

@@ -105,7 +105,7 @@ def test_one_side_projects_alone(device):
 def test_backward_programs_project_the_rows_they_hold(case, fused_q, fused_d, monkeypatch):
     """With normalize, the dQ gather and a dD owner of whole rows apply the chain rule before storing; what they do
     not hold goes through one projection launch (and nothing else runs: no casts, no PyTorch passes)."""
-    from maxsim.kernels import launch, launcher
+    from maxsim.kernels import launch, launch_args, launch_backward, launch_settings, launcher
     from maxsim.layout import Ragged
 
     launches: list = []
@@ -116,24 +116,24 @@ def test_backward_programs_project_the_rows_they_hold(case, fused_q, fused_d, mo
         launches.append((self.kernel.__name__, constexprs))
 
     monkeypatch.setattr(launcher.Launcher, "__call__", record)
-    monkeypatch.setattr(launch, "INTERPRETER", False)
+    monkeypatch.setattr(launch_args, "INTERPRETER", False)
     dim = 256 if case == "dim 256" else 64
     Q, D, rg = torch.randn(4, 8, dim), torch.randn(1, 5, 40, dim), None
     if case == "candidates":
         D = torch.randn(4, 3, 40, dim)
     if case == "cross, atomics":
-        monkeypatch.setattr(launch, "SHARED_OWNER_MAX_WORK", 0)
-        monkeypatch.setattr(launch, "SHARED_OWNER_MAX_ROWS", 0)
+        monkeypatch.setattr(launch_settings, "SHARED_OWNER_MAX_WORK", 0)
+        monkeypatch.setattr(launch_settings, "SHARED_OWNER_MAX_ROWS", 0)
     if case == "long pair list":
-        monkeypatch.setattr(launch, "PAIR_SCAN_MAX_WORK", 0)
+        monkeypatch.setattr(launch_settings, "PAIR_SCAN_MAX_WORK", 0)
         cu_q, cu_d = torch.tensor([0, 3, 8]), torch.tensor([0, 5, 40, 47])
         Q, D = torch.randn(8, dim), torch.randn(47, dim)
         rg = Ragged(cu_q, cu_d, torch.tensor([0, 1, 1]), torch.tensor([2, 0, 2]), 5, 35)
     grid = (1, 3) if rg is not None else (Q.shape[0], D.shape[1])
     arg = torch.zeros(*grid, 8 if rg is None else 5, dtype=torch.int32)
-    launch._bplans.clear()
+    launch_backward.plans.clear()
     dQ, dD = launch.backward(torch.ones(grid), Q, D, arg, True, False, rg)
-    launch._bplans.clear()
+    launch_backward.plans.clear()
     assert dQ.dtype == Q.dtype and dD.dtype == D.dtype
     main = [c for name, c in launches if name == "maxsim_bwd_kernel"]
     assert len(main) == 1
@@ -161,9 +161,9 @@ def test_forward_reads_inverse_norms_from_a_pre_pass(layout, Lq, normalize, give
     """Where several programs read each document tile (split queries, several blocks of packed queries) and where
     documents are scored by one query (candidates, pairs, pair lists), the forward takes the tokens' inverse norms
     from one pre-pass launch, and a training step hands them on to the backward (no second pre-pass); one block of
-    queries against shared documents sums each tile's squares as it goes (see launch.PRENORM_*)."""
+    queries against shared documents sums each tile's squares as it goes (see launch_settings.PRENORM_*)."""
     from maxsim import ops
-    from maxsim.kernels import launch, launcher
+    from maxsim.kernels import launch_args, launch_backward, launch_forward, launcher
     from maxsim.layout import Ragged
 
     launches: list = []
@@ -174,7 +174,7 @@ def test_forward_reads_inverse_norms_from_a_pre_pass(layout, Lq, normalize, give
         launches.append((self.kernel.__name__, constexprs))
 
     monkeypatch.setattr(launcher.Launcher, "__call__", record)
-    monkeypatch.setattr(launch, "INTERPRETER", False)
+    monkeypatch.setattr(launch_args, "INTERPRETER", False)
     Q, D, rg = torch.randn(40 if "40" in layout else 2, Lq, 64), torch.randn(1, 3, 40, 64), None
     if layout == "candidates":
         D = torch.randn(2, 3, 40, 64)
@@ -182,8 +182,8 @@ def test_forward_reads_inverse_norms_from_a_pre_pass(layout, Lq, normalize, give
         Q, D = torch.randn(2 * Lq, 64), torch.randn(47, 64)
         cu_q, cu_d = torch.tensor([0, Lq, 2 * Lq]), torch.tensor([0, 5, 40, 47])
         rg = Ragged(cu_q, cu_d, torch.tensor([0, 1, 1]), torch.tensor([2, 0, 2]), Lq, 35)
-    launch._plans.clear()
-    launch._bplans.clear()
+    launch_forward.plans.clear()
+    launch_backward.plans.clear()
     s, arg, norms = ops.forward_impl(Q, D, None, None, normalize, True, "triton", rg)
     assert (norms is not None) == given
     names = [name for name, _ in launches]
@@ -193,7 +193,7 @@ def test_forward_reads_inverse_norms_from_a_pre_pass(layout, Lq, normalize, give
     assert fwd[0]["EARLY_NORMS"] == given  # (a training forward: the early load of the norms)
     launches.clear()
     ops.backward_impl(torch.ones(s.shape), Q, D, arg, normalize, False, "triton", rg, norms)
-    launch._plans.clear()
-    launch._bplans.clear()
+    launch_forward.plans.clear()
+    launch_backward.plans.clear()
     names = [name for name, _ in launches]
     assert names.count("inverse_norms_kernel") == int(normalize and not given), "the backward's own norms"

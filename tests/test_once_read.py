@@ -1,4 +1,4 @@
-"""Large once-read scans on cards that ``launch.ONCE_READ_TABLE_L2`` names run the table's pipelined loop with
+"""Large once-read scans on cards that ``launch_settings.ONCE_READ_TABLE_L2`` names run the table's pipelined loop with
 ``configs.once_read_config``'s tiles instead of the stream: chosen where the rule says, and computing what the
 stream computes (bit for bit on integer data; normalized scores within 2 ulp, their rows' sum following the tile's
 layout)."""
@@ -12,7 +12,7 @@ import torch
 from helpers import INTERPRET, forward_launches, int_grid, rand_mask
 
 from maxsim import maxsim, maxsim_pairs, reference, set_backend
-from maxsim.kernels import configs, launch
+from maxsim.kernels import configs, device_info, launch_forward, launch_settings
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() or INTERPRET), reason="Triton kernels: a GPU or TRITON_INTERPRET=1"
@@ -31,16 +31,16 @@ def _on(device: str) -> None:
 def card(monkeypatch):
     """``card(name, l2_bytes)``: plans as if on that card with that L2 (plans cleared before and after). The few
     programs of these small scans would take the deep pipeline or chunked documents on a GPU: both off."""
-    monkeypatch.setattr(launch, "DEEP_PIPELINE", 0)
-    monkeypatch.setattr(launch, "DOC_SPLIT_PROGRAMS_PER_SM", 0)
+    monkeypatch.setattr(launch_settings, "DEEP_PIPELINE", 0)
+    monkeypatch.setattr(launch_settings, "DOC_SPLIT_PROGRAMS_PER_SM", 0)
 
     def set_card(name: str, l2_bytes: int) -> None:
-        monkeypatch.setattr(launch, "_card_name", lambda device: name)
-        monkeypatch.setattr(launch, "_l2_bytes", lambda device: l2_bytes)
-        launch._plans.clear()
+        monkeypatch.setattr(device_info, "card_name", lambda device: name)
+        monkeypatch.setattr(device_info, "l2_bytes", lambda device: l2_bytes)
+        launch_forward.plans.clear()
 
     yield set_card
-    launch._plans.clear()
+    launch_forward.plans.clear()
 
 
 def _launches(monkeypatch, call) -> list[tuple]:
@@ -98,7 +98,7 @@ def test_once_read_table_chosen_where_the_rule_says(what, card_name, l2s, expect
         Q, D = _inputs(3, lq, 3, ld, dim, False, device)
     d_mask = torch.ones(D.shape[:-1], dtype=torch.bool, device=device) if "mask" in what else None
     if what.endswith("rule off"):
-        monkeypatch.setattr(launch, "ONCE_READ_TABLE", 0)
+        monkeypatch.setattr(launch_settings, "ONCE_READ_TABLE", 0)
     card(card_name, int(D.numel() * D.element_size() / l2s))
     if what == "training forward":
         seen = _launches(monkeypatch, lambda: maxsim(Q, D, return_argmax=True))
@@ -139,7 +139,7 @@ def test_once_read_table_matches_the_stream(case, normalize, card, device, monke
     shared = d_shape[0] == 1
     Dc = D[0] if shared else D
     nbytes = Dc.numel() * Dc.element_size()
-    monkeypatch.setattr(launch, "STREAM_L2_RANGE", (0.0, math.inf))
+    monkeypatch.setattr(launch_settings, "STREAM_L2_RANGE", (0.0, math.inf))
     _on(device)
     runs = {}
     for name, l2s in (("stream", 1.0), ("table", 3.0)):
@@ -174,7 +174,7 @@ def test_once_read_wide_blocks_walk_documents_persistent(case, normalize, card, 
     D[0, 4, -1, 0] = float("nan")
     D[-1, -2, 5, 1] = float("inf")
     Dc = D[0] if d_shape[0] == 1 else D
-    monkeypatch.setattr(launch, "_sm_count", lambda device: 1)
+    monkeypatch.setattr(device_info, "sm_count", lambda device: 1)
     _on(device)
     card(H200, Dc.numel() * Dc.element_size() // 3)
     assert configs.ONCE_READ_WIDE_PERSIST > 0
@@ -195,7 +195,7 @@ def test_once_read_thin_blocks_keep_one_program_a_document(card, device, monkeyp
     """32-row blocks keep one program a document whatever the persistent setting of the wide ones (they gained
     nothing from it: configs.once_read_config)."""
     Q, D = _inputs(1, 32, 13, 70, 128, False, device)
-    monkeypatch.setattr(launch, "_sm_count", lambda device: 1)
+    monkeypatch.setattr(device_info, "sm_count", lambda device: 1)
     _on(device)
     card(H200, D.numel() * D.element_size() // 3)
     assert _launches(monkeypatch, lambda: maxsim(Q, D)) == [TABLE_64]

@@ -11,7 +11,7 @@ from helpers import INTERPRET, rand_mask, randn
 
 import maxsim
 from maxsim import reference
-from maxsim.kernels import launch
+from maxsim.kernels import launch_backward
 from maxsim.kernels.configs import backward_config
 
 pytestmark = pytest.mark.skipif(
@@ -21,12 +21,12 @@ pytestmark = pytest.mark.skipif(
 
 def _owner_grads(Q, D, qm, dm, g, mode):
     """The Triton path's gradients and the owner plans it used (``ONE_TQ`` of each)."""
-    launch._bplans.clear()
+    launch_backward.plans.clear()
     Qg, Dg = Q.detach().requires_grad_(), D.detach().requires_grad_()
     with maxsim.backend("triton"):
         out = torch.autograd.grad(maxsim.maxsim(Qg, Dg, qm, dm, backward=mode), (Qg, Dg), g)
-    flags = [p.main[2]["ONE_TQ"] for p in launch._bplans.values() if p.main[2]["DD_OWNED"]]
-    launch._bplans.clear()
+    flags = [p.main[2]["ONE_TQ"] for p in launch_backward.plans.values() if p.main[2]["DD_OWNED"]]
+    launch_backward.plans.clear()
     return out, flags
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import INTERPRET, int_grid, rand_mask, randn
 
-from maxsim.kernels import launch
+from maxsim.kernels import device_info, launch, launch_forward
 from maxsim.kernels.configs import forward_config
 from maxsim.kernels.sizes import cdiv
 
@@ -25,12 +25,12 @@ def _both(monkeypatch, Q, D, qm, dm, normalize, argmax):
     Nq, Lq, dim = Q.shape
     cfg = forward_config(Lq, dim, Nq, D.shape[0] == 1)
     plain = launch.forward(Q, D, qm, dm, normalize, argmax, cfg=dataclasses.replace(cfg, persist=0))
-    monkeypatch.setattr(launch, "_sm_count", lambda device: 1)
+    monkeypatch.setattr(device_info, "sm_count", lambda device: 1)
     persistent = launch.forward(Q, D, qm, dm, normalize, argmax, cfg=dataclasses.replace(cfg, persist=1))
     grid = cdiv(Nq, cfg.BQ) * cdiv(Lq, cfg.TQ)  # (cfg.BQ = 1
     # for candidates: a program walks one query's documents)
     tiles = cdiv(D.shape[2], cfg.BLOCK_N)
-    assert launch._docs_per_program(grid, D.shape[1], 1, tiles) > 1  # the case really walks several documents
+    assert launch_forward.docs_per_program(grid, D.shape[1], 1, tiles) > 1  # the case really walks several documents
     return plain, persistent
 
 

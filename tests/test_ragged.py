@@ -450,11 +450,11 @@ def test_varlen_cases(case, keep, dd, backend, device, monkeypatch):
     if dd == "atomics":
         if backend != "triton":
             pytest.skip("the owner/atomics choice is the Triton backward's")
-        from maxsim.kernels import launch
+        from maxsim.kernels import launch_settings
 
-        monkeypatch.setattr(launch, "SHARED_OWNER_MAX_WORK", 0)  # (a plan key: no stale plan is reused)
+        monkeypatch.setattr(launch_settings, "SHARED_OWNER_MAX_WORK", 0)  # (a plan key: no stale plan is reused)
 
-        monkeypatch.setattr(launch, "SHARED_OWNER_MAX_ROWS", 0)
+        monkeypatch.setattr(launch_settings, "SHARED_OWNER_MAX_ROWS", 0)
     check_ragged(case, device)
 
 
@@ -607,9 +607,9 @@ def test_pairs_varlen_cases(case, keep, index, backend, device, monkeypatch):
     if index == "csr":
         if backend != "triton":
             pytest.skip("the CSR/scan choice is the Triton backward's")
-        from maxsim.kernels import launch
+        from maxsim.kernels import launch_settings
 
-        monkeypatch.setattr(launch, "PAIR_SCAN_MAX_WORK", 0)
+        monkeypatch.setattr(launch_settings, "PAIR_SCAN_MAX_WORK", 0)
     check_ragged(case, device)
 
 
@@ -644,12 +644,12 @@ def test_deterministic_backward_is_bitwise_reproducible(fn, backend, device):
 
 def _grads_by_scan_then_index(case: Ragged, b: Built, grad: torch.Tensor, monkeypatch) -> list[tuple]:
     """``[(dQ, dD)]`` of the Triton pair-list backward finding the pairs by scanning the ids, then by the index."""
-    from maxsim.kernels import launch
+    from maxsim.kernels import launch_settings
 
     grads = []
     with maxsim.backend("triton"):
-        for limit in (launch.PAIR_SCAN_MAX_WORK, 0):
-            monkeypatch.setattr(launch, "PAIR_SCAN_MAX_WORK", limit)
+        for limit in (launch_settings.PAIR_SCAN_MAX_WORK, 0):
+            monkeypatch.setattr(launch_settings, "PAIR_SCAN_MAX_WORK", limit)
             Q = b.Q.detach().clone().requires_grad_()
             D = b.D.detach().clone().requires_grad_()
             lib_call(case, b, Q, D).backward(grad)
@@ -685,15 +685,15 @@ def test_pair_scan_walk_past_its_held_pairs(listed, device, monkeypatch):
     if not triton_usable(device):
         pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
     from maxsim.kernels import backward as backward_kernels
-    from maxsim.kernels import launch
+    from maxsim.kernels import launch_backward
 
     assert backward_kernels.HELD == 8
     pairs = ((1, 2), *((i % 3, d) for i in range(listed) for d in (0, 1)))
     case = Ragged((9, 3, 17), (70, 1, 8), pairs=pairs, dim=16, return_argmax=False)
-    launch._bplans.clear()
+    launch_backward.plans.clear()
     with maxsim.backend("triton"):
         check_ragged(case, device)
-    (plan,) = launch._bplans.values()
+    (plan,) = launch_backward.plans.values()
     assert plan.main[2]["SCAN_D"] and plan.main[2]["DOC_WALK"], "the case must take the scanning walk"
     b = build(case, device)
     grads = _grads_by_scan_then_index(case, b, upstream_grad((len(pairs),), seed=5, device=device), monkeypatch)
@@ -732,18 +732,18 @@ def test_pair_list_documents_walk_where_queries_are_short(q_lens, walks, index, 
     per-block layout (more programs) takes the index."""
     if not triton_usable(device):
         pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
-    from maxsim.kernels import launch
+    from maxsim.kernels import configs, launch_backward, launch_settings
 
     case = Ragged(q_lens, (20, 8, 70), pairs=((0, 0), (1, 2), (0, 2), (1, 1)), return_argmax=False)
-    cfg = launch.backward_config(max(q_lens), case.dim, False, False)
+    cfg = configs.backward_config(max(q_lens), case.dim, False, False)
     assert cfg.BN < 70, "the longest document must span several token blocks"
     if index != "scan":
         n_kb = -(-case.dim // cfg.BLOCK_K)
-        monkeypatch.setattr(launch, "PAIR_SCAN_MAX_WORK", 0 if index == "csr" else 3 * n_kb * len(case.pairs))
-    launch._bplans.clear()
+        monkeypatch.setattr(launch_settings, "PAIR_SCAN_MAX_WORK", 0 if index == "csr" else 3 * n_kb * len(case.pairs))
+    launch_backward.plans.clear()
     with maxsim.backend("triton"):
         check_ragged(case, device)
-    (plan,) = launch._bplans.values()
+    (plan,) = launch_backward.plans.values()
     n_programs, _ints, constexprs = plan.main
     scans = index == "scan" or (index == "bound" and walks)
     assert constexprs["DOC_WALK"] is walks and constexprs["SCAN_D"] is scans

@@ -1,4 +1,4 @@
-"""The dD owner's selector built in the MMA's registers (``REG_SEL``, launch.REGISTER_SELECTOR): the rule picks it
+"""The dD owner's selector built in the MMA's registers (``REG_SEL``, REGISTER_SELECTOR): the rule picks it
 for document walks of raw 16-bit tokens and for walks over the queries at 128-wide dim blocks of at most 32 tokens;
 where it is picked, the gradients are bitwise those of the selector through shared memory (the same 0/1 values
 into the same MMA) and match the float64 reference, in both backward modes, with masks with holes and an empty
@@ -11,7 +11,7 @@ import torch
 from helpers import INTERPRET, assert_matches_reference, lib_forward_backward, make_inputs
 
 import maxsim
-from maxsim.kernels import launch
+from maxsim.kernels import launch_backward, launch_settings
 from maxsim.kernels.configs import backward_config
 
 pytestmark = pytest.mark.skipif(
@@ -32,12 +32,12 @@ CASES = [
 
 def _owner_run(inp, normalize, mode, setting, monkeypatch):
     """(scores, dQ, dD, upstream gradient) through the Triton path, and the REG_SEL flag of each owner plan."""
-    monkeypatch.setattr(launch, "REGISTER_SELECTOR", setting)
-    launch._bplans.clear()
+    monkeypatch.setattr(launch_settings, "REGISTER_SELECTOR", setting)
+    launch_backward.plans.clear()
     with maxsim.backend("triton"):
         out = lib_forward_backward(inp, normalize=normalize, backward=mode)
-    flags = [p.main[2]["REG_SEL"] for p in launch._bplans.values() if p.main[2]["DD_OWNED"]]
-    launch._bplans.clear()
+    flags = [p.main[2]["REG_SEL"] for p in launch_backward.plans.values() if p.main[2]["DD_OWNED"]]
+    launch_backward.plans.clear()
     return out, flags
 
 
@@ -56,7 +56,7 @@ def test_register_selector_same_gradients(case, device, monkeypatch):
 
 def test_register_selector_rule():
     """The rule itself: 16-bit tokens only; document walks unless normalized; query walks at 128 dims, <= 32 tokens."""
-    rule = launch._register_selector
+    rule = launch_backward.register_selector
     bf16, fp32 = torch.bfloat16, torch.float32
     assert rule(True, False, backward_config(32, 64, candidates=True), bf16)
     assert not rule(True, True, backward_config(32, 64, candidates=True, normalize=True), bf16)

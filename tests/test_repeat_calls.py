@@ -29,11 +29,11 @@ def triton_only(device):
 @pytest.fixture
 def plan_keys(monkeypatch):
     """Counts how often the forward builds a plan's full key (what a repeat call does without)."""
-    from maxsim.kernels import launch
+    from maxsim.kernels import launch_forward
 
     ops._triton_path()  # (before a first Triton call nothing is filed: repeat_key is None)
-    monkeypatch.setattr(launch, "_plans", {})
-    return spy(monkeypatch, launch, "_plan_key")
+    monkeypatch.setattr(launch_forward, "plans", {})
+    return spy(monkeypatch, launch_forward, "plan_key")
 
 
 def _inputs(device, nq=3, nd=4, lq=5, ld=9, dim=16, dtype=torch.float16, seed=1):
@@ -155,12 +155,12 @@ def test_a_repeated_signature_still_checks_the_options(triton_only, plan_keys, d
 
 def test_repeat_entries_go_with_the_plans(triton_only, plan_keys, device):
     """Whatever clears the plans (a change of the launch settings must) clears the repeat entries with them."""
-    from maxsim.kernels import launch
+    from maxsim.kernels import launch_forward
 
     Q, D = _inputs(device)
     maxsim.maxsim(Q, D)
-    assert ops.repeat_key(Q, D, False, "auto") in launch._plans
-    launch._plans.clear()
+    assert ops.repeat_key(Q, D, False, "auto") in launch_forward.plans
+    launch_forward.plans.clear()
     n = len(plan_keys)
     maxsim.maxsim(Q, D)
     assert len(plan_keys) == n + 2
@@ -388,10 +388,10 @@ def test_cpu_plain_scores_decisions(sizes, name):
 @pytest.fixture
 def backward_plans(monkeypatch):
     """Counts how often a backward plan is looked up by its full key (what a repeated step does without)."""
-    from maxsim.kernels import launch
+    from maxsim.kernels import launch_backward
 
-    monkeypatch.setattr(launch, "_bplans", {})
-    return spy(monkeypatch, launch, "_backward_plan_of")
+    monkeypatch.setattr(launch_backward, "plans", {})
+    return spy(monkeypatch, launch_backward, "backward_plan_of")
 
 
 def _train(fn, Q, D, g=None, **kw):
@@ -448,7 +448,7 @@ def test_repeated_steps_of_every_dense_shape_train_as_the_reference(shape, trito
 def test_a_repeated_step_takes_any_upstream_gradient(triton_only, plan_keys, backward_plans, device):
     """A contiguous, an expanded (``scores.sum()``) and a transposed upstream gradient: each its own backward plan,
     filed once, each as the reference."""
-    from maxsim.kernels import launch
+    from maxsim.kernels import launch_backward, launch_forward
 
     Q, D = _inputs(device)
     g = int_grid((3, 4), seed=3, device=device)
@@ -457,14 +457,14 @@ def test_a_repeated_step_takes_any_upstream_gradient(triton_only, plan_keys, bac
         for gl in layouts:
             want = _reference_train(maxsim_reference, Q, D, torch.ones(3, 4, device=device) if gl is None else gl)
             _assert_step_equal(_train(maxsim.maxsim, Q, D, gl), want)
-    (step,) = [plan for key, plan in launch._plans.items() if key[0] == "step"]
+    (step,) = [plan for key, plan in launch_forward.plans.items() if key[0] == "step"]
     assert sorted(step.backward_keys) == [(0, 0), (1, 3), (4, 1)]
-    assert len(launch._bplans) == 3  # (each plan once: the step holds its key)
+    assert len(launch_backward.plans) == 3  # (each plan once: the step holds its key)
 
 
 @pytest.mark.parametrize("change", ["shape", "dtype", "normalize", "deterministic", "auto deterministic"])
 def test_a_step_that_differs_takes_the_full_path(change, triton_only, plan_keys, device):
-    from maxsim.kernels import launch
+    from maxsim.kernels import launch_forward
 
     Q, D = _inputs(device)
     g = int_grid((3, 4), seed=3, device=device)
@@ -489,7 +489,7 @@ def test_a_step_that_differs_takes_the_full_path(change, triton_only, plan_keys,
     finally:
         torch.use_deterministic_algorithms(deterministic)
     assert len(plan_keys) == n + 2, f"{change}: {len(plan_keys) - n} forward keys for two steps"
-    steps = [plan for key, plan in launch._plans.items() if key[0] == "step"]
+    steps = [plan for key, plan in launch_forward.plans.items() if key[0] == "step"]
     assert len(steps) == 2
     assert steps[1].deterministic == change.endswith("deterministic")
     tol = 1e-3 if change == "normalize" else 0.0  # (normalized fp16 tokens are rounded; integers are not)
@@ -538,17 +538,17 @@ def test_repeated_steps_in_one_graph(triton_only, plan_keys, device):
 
 def test_step_entries_go_with_the_plans(triton_only, plan_keys, backward_plans, device):
     """Clearing the forward plans clears the step entries; clearing the backward plans, their backward plans."""
-    from maxsim.kernels import launch
+    from maxsim.kernels import launch_backward, launch_forward
 
     Q, D = _inputs(device)
     g = int_grid((3, 4), seed=3, device=device)
     for _ in range(2):
         _train(maxsim.maxsim, Q, D, g)
     assert (len(plan_keys), len(backward_plans)) == (2, 2)
-    launch._bplans.clear()
+    launch_backward.plans.clear()
     _train(maxsim.maxsim, Q, D, g)
     assert (len(plan_keys), len(backward_plans)) == (2, 3)
-    launch._plans.clear()
+    launch_forward.plans.clear()
     got = _train(maxsim.maxsim, Q, D, g)
     assert len(plan_keys) == 4
     _assert_step_equal(got, _reference_train(maxsim_reference, Q, D, g))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import INTERPRET, forward_launches, int_grid, rand_mask
 
-from maxsim.kernels import configs, launch
+from maxsim.kernels import configs, launch, launch_settings
 from maxsim.kernels.configs import ForwardConfig
 
 pytestmark = pytest.mark.skipif(
@@ -47,8 +47,8 @@ def test_split_rows_match_launch_table(argmax, masks, layout, device):
 def test_long_query_scores_only_forward_keeps_one_more_stage(Lq, dim, stages, device, monkeypatch):
     """Long queries' forward without the argmax keeps ``LONG_QUERY_SCORES_STAGES`` tiles in flight, the argmax one
     ``LONG_QUERY_STAGES`` (recorded launches, not run; the few-program launch shapes off)."""
-    monkeypatch.setattr(launch, "DEEP_PIPELINE", 0)
-    monkeypatch.setattr(launch, "DOC_SPLIT_PROGRAMS_PER_SM", 0)
+    monkeypatch.setattr(launch_settings, "DEEP_PIPELINE", 0)
+    monkeypatch.setattr(launch_settings, "DOC_SPLIT_PROGRAMS_PER_SM", 0)
     Q = torch.randn(2, Lq, dim, dtype=torch.float16, device=device)
     D = torch.randn(200, 64, dim, dtype=torch.float16, device=device)
     got = []

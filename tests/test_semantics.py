@@ -291,18 +291,18 @@ def test_backward_modes_agree_and_deterministic_is_bitwise(layout, dtype, backen
     _, dQ2, dD2, _ = lib_forward_backward(inp, normalize=True, backward="deterministic", grad=grad)
     assert torch.equal(dQ_d, dQ2) and torch.equal(dD_d, dD2), "backward='deterministic' is not bitwise reproducible"
     if backend == "triton" and layout == "cross":
-        from maxsim.kernels import launch
+        from maxsim.kernels import launch_backward, launch_settings
 
-        monkeypatch.setattr(launch, "SHARED_OWNER_MAX_WORK", 0)  # the atomics path of large cross products
+        monkeypatch.setattr(launch_settings, "SHARED_OWNER_MAX_WORK", 0)  # the atomics path of large cross products
 
-        monkeypatch.setattr(launch, "SHARED_OWNER_MAX_ROWS", 0)
+        monkeypatch.setattr(launch_settings, "SHARED_OWNER_MAX_ROWS", 0)
         for fused in (1, 0):  # the atomics in the gather's launch, then in a launch of their own
-            monkeypatch.setattr(launch, "FUSED_SCATTER", fused)
-            launch._bplans.clear()
+            monkeypatch.setattr(launch_settings, "FUSED_SCATTER", fused)
+            launch_backward.plans.clear()
             _, dQ_a, dD_a = check_parity(inp, normalize=True, backward="fast", seed=11)
-            plan = next(iter(launch._bplans.values()))
+            plan = next(iter(launch_backward.plans.values()))
             assert not plan.dd_owned and (plan.dd_sc is None) == bool(fused)
-            launch._bplans.clear()
+            launch_backward.plans.clear()
             torch.testing.assert_close(dQ_a, dQ_d, rtol=tol, atol=tol * float(dQ_d.abs().max()))
             torch.testing.assert_close(dD_a, dD_d, rtol=tol, atol=tol * float(dD_d.abs().max()))
 
@@ -317,12 +317,12 @@ def test_sorted_gather_backward_of_large_cross_products(normalize, dtype, device
     if not triton_usable(device):
         pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
     keep_under_interpreter(normalize != (dtype == torch.float32), "triton", device)
-    from maxsim.kernels import launch
+    from maxsim.kernels import launch_backward, launch_settings
 
-    monkeypatch.setattr(launch, "SHARED_OWNER_MAX_WORK", 0)
+    monkeypatch.setattr(launch_settings, "SHARED_OWNER_MAX_WORK", 0)
 
-    monkeypatch.setattr(launch, "SHARED_OWNER_MAX_ROWS", 0)
-    monkeypatch.setattr(launch, "SORTED_DD_MIN_LINKS", 0)
+    monkeypatch.setattr(launch_settings, "SHARED_OWNER_MAX_ROWS", 0)
+    monkeypatch.setattr(launch_settings, "SORTED_DD_MIN_LINKS", 0)
     inp = make_inputs("cross", 5, 4, 9, 7, 32, dtype=dtype, device=device, masks="holes", seed=seed_of("sorted"))
     grad = upstream_grad(call_lib(inp).shape, seed=6, device=device)
     grad[1, 2] = float("nan")
@@ -332,10 +332,10 @@ def test_sorted_gather_backward_of_large_cross_products(normalize, dtype, device
     runs = []
     with maxsim.backend("triton"):
         for _ in range(2):
-            launch._bplans.clear()
+            launch_backward.plans.clear()
             runs.append(lib_forward_backward(inp, normalize=normalize, backward="deterministic", grad=grad))
-            assert next(iter(launch._bplans.values())).dd_sorted is not None
-    launch._bplans.clear()
+            assert next(iter(launch_backward.plans.values())).dd_sorted is not None
+    launch_backward.plans.clear()
     (_, dQ, dD, _), (_, _dQ2, dD2, _) = runs
     assert_same_nan(dD, dD2, "dD")
     assert torch.equal(dD.nan_to_num(), dD2.nan_to_num()), "the sorted gather is not the same on every run"

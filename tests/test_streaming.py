@@ -1,7 +1,7 @@
 """The forward's streaming tile loop (``STREAM_D``: document tiles read by one program alone, prefetched into
 registers with an evict-first hint) computes exactly what the pipelined loop computes, bit for bit (normalized
-scores within 2 ulp: their rows' sum follows the tile's layout), and is chosen only where launch.py's rule says (see
-``launch.STREAM_ONCE_READ``)."""
+scores within 2 ulp: their rows' sum follows the tile's layout), and is chosen only where the rule says (see
+``launch_settings.STREAM_ONCE_READ``, launch_forward.once_read_scan)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from helpers import INTERPRET, forward_launches, int_grid, rand_mask, randn
 
 from maxsim import maxsim, maxsim_varlen, reference, set_backend
-from maxsim.kernels import configs, launch
+from maxsim.kernels import configs, device_info, launch, launch_forward, launch_settings
 from maxsim.kernels.configs import forward_config
 
 pytestmark = pytest.mark.skipif(
@@ -28,16 +28,16 @@ DTYPE = torch.bfloat16 if torch.cuda.is_available() and not INTERPRET else torch
 def any_size(monkeypatch):
     """Streaming allowed for scans of any size and masked tiles of any width (the rule would exclude every small
     test shape)."""
-    monkeypatch.setattr(launch, "STREAM_L2_RANGE", (0.0, math.inf))
-    monkeypatch.setattr(launch, "STREAM_MASKED_MIN_BLOCK_K", 0)
-    launch._plans.clear()
+    monkeypatch.setattr(launch_settings, "STREAM_L2_RANGE", (0.0, math.inf))
+    monkeypatch.setattr(launch_settings, "STREAM_MASKED_MIN_BLOCK_K", 0)
+    launch_forward.plans.clear()
     yield
-    launch._plans.clear()
+    launch_forward.plans.clear()
 
 
 def _forward(Q, D, d_mask, normalize, stream: int, cfg, monkeypatch):
-    monkeypatch.setattr(launch, "STREAM_ONCE_READ", stream)
-    launch._plans.clear()
+    monkeypatch.setattr(launch_settings, "STREAM_ONCE_READ", stream)
+    launch_forward.plans.clear()
     return launch.forward(Q, D, None, d_mask, normalize, False, cfg=cfg)
 
 
@@ -79,7 +79,7 @@ def test_streaming_matches_pipelined_loop(case, normalize, masked, device, monke
         D[-1, 1, d_mask[-1, 1].logical_not().nonzero()[:1, 0], 1] = float("inf")
     table = forward_config(q_shape[1], q_shape[2], q_shape[0], d_shape[0] == 1)
     for cfg in (None, dataclasses.replace(table, persist=0), dataclasses.replace(table, persist=2)):
-        monkeypatch.setattr(launch, "_sm_count", lambda device: 1)  # (persist=2: programs walk several documents)
+        monkeypatch.setattr(device_info, "sm_count", lambda device: 1)  # (persist=2: programs walk several documents)
         plain = _forward(Q, D, d_mask, normalize, 0, cfg, monkeypatch)
         streamed = _forward(Q, D, d_mask, normalize, 1, cfg, monkeypatch)
         _assert_bitwise(plain, streamed, normalize)
@@ -134,7 +134,7 @@ def _stream_flags(monkeypatch, call, warps: bool = False) -> list:
 )
 def test_streaming_chosen_where_the_rule_says(what, streams, monkeypatch):
     if what != "default byte range":
-        monkeypatch.setattr(launch, "STREAM_L2_RANGE", (0.0, math.inf))
+        monkeypatch.setattr(launch_settings, "STREAM_L2_RANGE", (0.0, math.inf))
     dtype = torch.float32 if what == "fp32" else torch.float16
     Nq = 40 if what == "several query blocks" else 2 if what == "candidates, queries of 64 rows" else 1
     Lq = 200 if what == "long query" else 48 if "64 rows" in what else 32
@@ -169,7 +169,7 @@ def test_streaming_warps_follow_the_width(dim, n_q, lq, warps, monkeypatch):
     """Streamed scans of at most 64 dims and 32 query rows run ``STREAM_NARROW_NUM_WARPS`` warps, the others
     ``STREAM_NUM_WARPS`` (H200: 2 warps took dim 48 from 39.3 to 35.4 us, but 64-row queries at 128 dims from 65
     to 92, and 64-row ones at 32 dims summed their rows in another order than the pipelined loop)."""
-    monkeypatch.setattr(launch, "STREAM_L2_RANGE", (0.0, math.inf))
+    monkeypatch.setattr(launch_settings, "STREAM_L2_RANGE", (0.0, math.inf))
     Q = torch.randn(n_q, lq, dim, dtype=torch.float16)
     D = torch.randn(n_q, 3, 50, dim, dtype=torch.float16)
     if INTERPRET:

@@ -29,7 +29,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.compiler.compiler import make_backend
 
-from maxsim.kernels import launch, launcher
+from maxsim.kernels import (
+    device_info,
+    launch,
+    launch_args,
+    launch_backward,
+    launch_forward,
+    launch_settings,
+    launcher,
+)
 from maxsim.layout import Ragged
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -169,8 +177,11 @@ def offsets(lengths: list[int]) -> torch.Tensor:
 def main() -> None:
     launcher.Launcher.__call__ = fake_call
     launcher.INTERPRETER = False
-    launch.INTERPRETER = False
-    launch.STREAM_L2_RANGE = (0.0, float("inf"))  # (the streaming scans too: the small shapes here are far below)
+    launch_args.INTERPRETER = False
+    launch_settings.STREAM_L2_RANGE = (
+        0.0,
+        float("inf"),
+    )  # (the streaming scans too: the small shapes here are far below)
     for dt in (torch.bfloat16, torch.float32):
         for normalize in (False, True):
             for lq, dim in ((32, 128), (8, 64), (200, 128), (32, 256), (23, 96), (23, 48)):  # + off-matrix
@@ -180,59 +191,70 @@ def main() -> None:
                         qm = torch.ones(Q.shape[:2], dtype=torch.bool) if masks else None
                         dm = torch.ones(D.shape[:3], dtype=torch.bool) if masks else None
                         for sms in (1, 132):  # shared documents: persistent programs, then one per document
-                            launch._INTERPRETER_SMS = sms
-                            launch._plans.clear()
+                            device_info.INTERPRETER_SMS = sms
+                            launch_forward.plans.clear()
                             s, a = launch.forward(Q, D, qm, dm, normalize, True)
                             launch.forward(Q, D, qm, dm, normalize, False)
                         # few programs against long documents: chunked, and thin blocks deep-pipelined
-                        few = launch.DEEP_PIPELINE_MIN_LD, launch.DOC_SPLIT_MIN_TILES
-                        launch._INTERPRETER_SMS, launch.DEEP_PIPELINE_MIN_LD, launch.DOC_SPLIT_MIN_TILES = 4096, 0, 1
+                        few = launch_settings.DEEP_PIPELINE_MIN_LD, launch_settings.DOC_SPLIT_MIN_TILES
+                        (
+                            device_info.INTERPRETER_SMS,
+                            launch_settings.DEEP_PIPELINE_MIN_LD,
+                            launch_settings.DOC_SPLIT_MIN_TILES,
+                        ) = 4096, 0, 1
                         Dl = torch.randn(D.shape[:2] + (300, dim), dtype=dt)
                         dml = torch.ones(Dl.shape[:3], dtype=torch.bool) if masks else None
-                        launch._plans.clear()
+                        launch_forward.plans.clear()
                         launch.forward(Q, Dl, qm, dml, normalize, True)
                         launch.forward(Q, Dl, qm, dml, normalize, False)
-                        launch.DEEP_PIPELINE_MIN_LD, launch.DOC_SPLIT_MIN_TILES = few
-                        launch._plans.clear()
+                        launch_settings.DEEP_PIPELINE_MIN_LD, launch_settings.DOC_SPLIT_MIN_TILES = few
+                        launch_forward.plans.clear()
                         if not masks and D.element_size() == 2:
                             # large once-read scans on a card that ONCE_READ_TABLE_L2 names: the table loop with
                             # configs.once_read_config's tiles (32 and 64 query rows; short and long documents)
-                            card = launch._card_name, launch._l2_bytes
-                            launch._card_name, launch._l2_bytes = (lambda d: "NVIDIA H200"), (lambda d: 1)
-                            launch._INTERPRETER_SMS = 1
+                            card = device_info.card_name, device_info.l2_bytes
+                            device_info.card_name, device_info.l2_bytes = (lambda d: "NVIDIA H200"), (lambda d: 1)
+                            device_info.INTERPRETER_SMS = 1
                             for Qo in (Q[:1], torch.randn(1, 48, dim, dtype=dt)):
                                 for ld in (40, 600):
                                     Do = torch.randn(1, 5, ld, dim, dtype=dt)
-                                    launch._plans.clear()
+                                    launch_forward.plans.clear()
                                     launch.forward(Qo, Do, None, None, normalize, False)
-                            launch._card_name, launch._l2_bytes = card
-                            launch._plans.clear()
+                            device_info.card_name, device_info.l2_bytes = card
+                            launch_forward.plans.clear()
                         a = torch.zeros(Q.shape[0], D.shape[1], lq, dtype=torch.int32)
                         g = torch.ones(Q.shape[0], D.shape[1])
                         for det in (False, True):
-                            for owner_limit in (launch.SHARED_OWNER_MAX_WORK, 0):  # owned dD, then atomics
-                                for split_k in (launch.DQ_SPLIT_MIN_K, 2):  # the plain dQ walk, then split
-                                    before = launch.SHARED_OWNER_MAX_WORK, launch.SHARED_OWNER_MAX_ROWS
-                                    launch.SHARED_OWNER_MAX_WORK = launch.SHARED_OWNER_MAX_ROWS = owner_limit
-                                    before_split = launch.DQ_SPLIT_MIN_K, launch.DQ_SPLIT_MIN_PAIRS
-                                    launch.DQ_SPLIT_MIN_K, launch.DQ_SPLIT_MIN_PAIRS = split_k, 1
-                                    launch._bplans.clear()
+                            for owner_limit in (launch_settings.SHARED_OWNER_MAX_WORK, 0):  # owned dD, then atomics
+                                for split_k in (launch_settings.DQ_SPLIT_MIN_K, 2):  # the plain dQ walk, then split
+                                    before = (
+                                        launch_settings.SHARED_OWNER_MAX_WORK,
+                                        launch_settings.SHARED_OWNER_MAX_ROWS,
+                                    )
+                                    launch_settings.SHARED_OWNER_MAX_WORK = launch_settings.SHARED_OWNER_MAX_ROWS = (
+                                        owner_limit
+                                    )
+                                    before_split = launch_settings.DQ_SPLIT_MIN_K, launch_settings.DQ_SPLIT_MIN_PAIRS
+                                    launch_settings.DQ_SPLIT_MIN_K, launch_settings.DQ_SPLIT_MIN_PAIRS = split_k, 1
+                                    launch_backward.plans.clear()
                                     launch.backward(g, Q, D, a, normalize, det)
-                                    launch.SHARED_OWNER_MAX_WORK, launch.SHARED_OWNER_MAX_ROWS = before
-                                    launch.DQ_SPLIT_MIN_K, launch.DQ_SPLIT_MIN_PAIRS = before_split
-                                    launch._bplans.clear()
+                                    launch_settings.SHARED_OWNER_MAX_WORK, launch_settings.SHARED_OWNER_MAX_ROWS = (
+                                        before
+                                    )
+                                    launch_settings.DQ_SPLIT_MIN_K, launch_settings.DQ_SPLIT_MIN_PAIRS = before_split
+                                    launch_backward.plans.clear()
                         if D.shape[0] == 1 and D.element_size() == 2 and not normalize:
                             # dD's atomics in chunks of one document: atomics launches with and without a cast
                             names = ("SHARED_OWNER_MAX_WORK", "SHARED_OWNER_MAX_ROWS", "SCATTER_BUFFER_MAX_BYTES",
                                      "SCATTER_CHUNK_BYTES", "SCATTER_CHUNK_MIN_LINKS")  # fmt: skip
-                            before = [getattr(launch, n) for n in names]
+                            before = [getattr(launch_settings, n) for n in names]
                             for n, v in zip(names, (0, 0, 0, D.shape[2] * dim * 4, 0), strict=True):
-                                setattr(launch, n, v)
-                            launch._bplans.clear()
+                                setattr(launch_settings, n, v)
+                            launch_backward.plans.clear()
                             launch.backward(g, Q, D, a.to(torch.int16), normalize, False)
                             for n, v in zip(names, before, strict=True):
-                                setattr(launch, n, v)
-                            launch._bplans.clear()
+                                setattr(launch_settings, n, v)
+                            launch_backward.plans.clear()
                 # ragged: varlen cross, pair list, padded with lengths
                 cu_q, cu_d = offsets([3, lq, 1, 0]), offsets([5, 40, 0, 7, 9])
                 Qp, Dp = torch.randn(int(cu_q[-1]), dim, dtype=dt), torch.randn(int(cu_d[-1]), dim, dtype=dt)
@@ -241,10 +263,10 @@ def main() -> None:
                     s, a = launch.forward(Qp, Dp, None, None, normalize, True, rg)
                     a = torch.zeros(s.shape + (lq,), dtype=torch.int32)
                     for det in (False, True):
-                        for scan_limit in (launch.PAIR_SCAN_MAX_WORK, 0):  # pair ids scanned, then indexed
-                            launch.PAIR_SCAN_MAX_WORK, before = scan_limit, launch.PAIR_SCAN_MAX_WORK
+                        for scan_limit in (launch_settings.PAIR_SCAN_MAX_WORK, 0):  # pair ids scanned, then indexed
+                            launch_settings.PAIR_SCAN_MAX_WORK, before = scan_limit, launch_settings.PAIR_SCAN_MAX_WORK
                             launch.backward(torch.ones(s.shape), Qp, Dp, a, normalize, det, rg)
-                            launch.PAIR_SCAN_MAX_WORK = before
+                            launch_settings.PAIR_SCAN_MAX_WORK = before
                 Dc = torch.randn(4, 3, 40, dim, dtype=dt)
                 rg = Ragged(torch.full((4,), 2), torch.full((4, 3), 9), None, None, lq, 40)
                 s, a = launch.forward(Q, Dc, None, None, normalize, True, rg)

@@ -20,7 +20,7 @@ import torch
 from probe_common import TRAIN_CROSS_SHAPES  # tools/ is on sys.path when this runs as a script
 from triton.testing import do_bench
 
-from maxsim.kernels import launch
+from maxsim.kernels import launch, launch_backward
 from maxsim.kernels.configs import ForwardConfig, forward_config
 from maxsim.kernels.forward import maxsim_fwd_kernel
 
@@ -175,7 +175,6 @@ def config_table(only: str | None = None) -> dict:
 
 def backward_table() -> dict:
     """launch.backward (dQ gather + dD) with the table's dQ token block and with half of it."""
-    import maxsim.kernels.launch as L
     from maxsim.kernels.configs import backward_config
 
     res = {}
@@ -188,15 +187,15 @@ def backward_table() -> dict:
         row = {}
         ref = None
         for bt in sorted({base.BT, max(16, base.BT // 2)}):
-            L.backward_config = lambda lq, d, candidates=False, bt=bt: dataclasses.replace(base, BT=bt)
-            L._bplans.clear()  # backward plans hold the configuration they were built with
+            launch_backward.backward_config = lambda lq, d, candidates=False, bt=bt: dataclasses.replace(base, BT=bt)
+            launch_backward.plans.clear()  # backward plans hold the configuration they were built with
             try:
                 out = launch.backward(g, Q, D, arg, False, False)
                 ref = out[0] if ref is None else ref
                 row[f"BT={bt}"] = ms(lambda: launch.backward(g, Q, D, arg, False, False))
                 row[f"BT={bt} dQ equal"] = bool(torch.equal(out[0], ref))
             finally:
-                L.backward_config = backward_config
+                launch_backward.backward_config = backward_config
         print(f"backward {name:30s} {row}", flush=True)
         res[name] = row
     return res

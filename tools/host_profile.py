@@ -17,7 +17,7 @@ import torch
 
 import maxsim
 from maxsim import ops
-from maxsim.kernels import launch
+from maxsim.kernels import launch, launch_forward
 from maxsim.kernels.forward import maxsim_fwd_kernel
 
 
@@ -67,8 +67,8 @@ def main() -> None:
 
         maxsim_fwd_kernel.run = spy
         # so that the next launch goes through Triton's own path (plans keep their own table of launches too)
-        launch._fwd._known.clear()
-        launch._plans.clear()
+        launch_forward._fwd._known.clear()
+        launch_forward.plans.clear()
         launch.forward(Qc, Dc, None, None, False, False)
         maxsim_fwd_kernel.run = orig
         a, kw = captured["a"], dict(captured["kw"])
@@ -115,7 +115,7 @@ def main() -> None:
         # Our Python alone: the plans' cached launches made no-ops.
         maxsim.maxsim(Q, D)  # (its plan, after the clear above)
         saved = {}
-        for plan in launch._plans.values():
+        for plan in launch_forward.plans.values():
             for k, hit in plan.launches.items():
                 saved.setdefault((id(plan.launches), k), (plan.launches, k, hit))  # (repeat entries: same plans)
                 plan.launches[k] = (lambda *a: None, *hit[1:])

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 import maxsim
-from maxsim.kernels import launch, launcher
+from maxsim.kernels import device_info, launch_backward, launch_forward, launcher
 
 DEV = "meta"  # (allocations cost what an allocator's bookkeeping costs; no memset, no cast work)
 
@@ -45,9 +45,9 @@ def stub_gpu() -> None:
     """Route every call to the Triton path and make its launches no-ops (one process only: nothing is restored)."""
     torch._C._cuda_getDevice = lambda: -1  # (the meta tensors' get_device(): the launches' device check passes)
     torch._C._cuda_getCurrentRawStream = lambda device: 0
-    launch._sm_count = lambda device: 132
-    launch._l2_bytes = lambda device: 50 * 2**20
-    for mod in (launch, sys.modules["maxsim.kernels.normalize"]):
+    device_info.sm_count = lambda device: 132
+    device_info.l2_bytes = lambda device: 50 * 2**20
+    for mod in (launch_forward, launch_backward, sys.modules["maxsim.kernels.normalize"]):
         for v in list(vars(mod).values()):
             if isinstance(v, launcher.Launcher):
                 v.kernel = _FakeKernel(v.kernel)

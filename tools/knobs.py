@@ -27,19 +27,19 @@ from maxsim import layout
 from maxsim.bench.peers import MaxsimImpl
 from maxsim.bench.runner import make_call, peak_extra_mib
 from maxsim.bench.workloads import RAGGED_LAYOUTS, WORKLOADS, make_inputs, seed_of, select
-from maxsim.kernels import configs, launch
+from maxsim.kernels import configs, launch_backward, launch_forward, launch_settings
 
-MODULES = {"launch": launch, "configs": configs, "layout": layout}
+MODULES = {"launch_settings": launch_settings, "configs": configs, "layout": layout}
 
 
 def _owner(name: str) -> tuple[object, str]:
-    """``configs.X`` / ``layout.X`` -> (that module, ``X``); a bare name is ``launch``'s."""
+    """``configs.X`` / ``layout.X`` -> (that module, ``X``); a bare name is ``launch_settings``'."""
     module, _, attr = name.rpartition(".")
-    return MODULES[module or "launch"], attr
+    return MODULES[module or "launch_settings"], attr
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, float]]:
-    """``label:NAME=VALUE,NAME=VALUE`` -> ``(label, {NAME: int(VALUE)})``; ``NAME`` is a setting of ``launch`` or,
+    """``label:NAME=VALUE,NAME=VALUE`` -> ``(label, {NAME: int(VALUE)})``; ``NAME`` is a launch setting or,
     written ``configs.NAME``, of the launch table (``layout.NAME``: of maxsim.layout)."""
     label, _, assigns = text.partition(":")
     settings = {}
@@ -62,8 +62,8 @@ def apply(settings: dict[str, int], defaults: dict[str, object]) -> None:
         setattr(*_owner(name), type(defaults[name])(value))
     configs.backward_config.cache_clear()
     configs.forward_config.cache_clear()
-    launch._bplans.clear()
-    launch._plans.clear()
+    launch_backward.plans.clear()
+    launch_forward.plans.clear()
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ class ForwardConfig:
     num_warps: int
     num_stages: int
     # Programs per multiprocessor a persistent launch plans for (0: one program per document). Persistent programs
-    # walk several shared dense documents each, for a row block that fits one program (launch.py decides).
+    # walk several shared dense documents each, for a row block that fits one program (launch_forward.py decides).
     persist: int = 0
     # Register cap per thread (ptxas .maxnreg; 0: none): more resident programs at the price of a few spills.
     maxnreg: int = 0
@@ -105,7 +105,7 @@ def forward_config(Lq: int, dim: int, Nq: int, shared_docs: bool, fp32: bool = F
 
 
 def _fp32_config(Lq: int, dim: int, Nq: int, shared_docs: bool) -> ForwardConfig:
-    """fp32 tokens go through the tensor cores as ``tf32x3`` (launch.py's ``_dot_precision``), whose split operands
+    """fp32 tokens go through the tensor cores as ``tf32x3`` (launch_args.py's ``dot_precision``), whose split operands
     take twice the shared memory and registers of 16-bit ones: the 16-bit table's 256-row blocks and 128-row long
     queries would need 260-390 KB of shared memory (sm_90 has 227 KB) and spill. Blocks of at most 64 rows (longer
     queries split into 64-row blocks), one program per document (a persistent plan would count on residents that
@@ -125,7 +125,7 @@ def _fp32_config(Lq: int, dim: int, Nq: int, shared_docs: bool) -> ForwardConfig
 
 
 def streaming_config(cfg: ForwardConfig) -> ForwardConfig:
-    """``cfg`` for the forward's register-prefetched tile loop (``STREAM_D``; launch.py decides): one program per
+    """``cfg`` for the forward's register-prefetched tile loop (``STREAM_D``; launch_forward decides): one program per
     document, 64-token tiles at 128 dims and 32-token ones at 64 (H100, in-process, 1x1000 Lq32 Ld300: 64-token
     tiles 36.8 us, 32-token 47.1, persistent 36.5; candidates 32x100 Ld256 83.9 against 87.0 for the table's
     persistent 32-token walk; 1x1000 Ld1024 dim 48: 32-token tiles 44.7, 64 48.2, 128 46.9). Queries of 64 rows take
@@ -162,7 +162,7 @@ STREAM_MAXNREG = 0
 
 
 def once_read_config(cfg: ForwardConfig, Ld: int) -> ForwardConfig:
-    """``cfg`` for a large once-read scan that runs the table's pipelined loop instead of the stream (launch.py's
+    """``cfg`` for a large once-read scan that runs the table's pipelined loop instead of the stream (launch_forward's
     ONCE_READ_TABLE_L2, dense unmasked documents, one dim chunk of 128): one program per document, asynchronous
     copies in stages. H200, in-process against the stream (docs/performance.md v73; one 32-row query or a query's
     own candidates): candidates 32x100 Ld256 66.2 -> 63.1 us with 64-token tiles in 3 stages (128-token in 2: 62.0,
@@ -209,7 +209,7 @@ def scores_only_config(cfg: ForwardConfig, Lq: int) -> ForwardConfig:
 
 
 def deep_pipeline_config(cfg: ForwardConfig) -> ForwardConfig:
-    """``cfg`` for a launch of fewer programs than multiprocessors, each alone on its multiprocessor (launch.py's
+    """``cfg`` for a launch of fewer programs than multiprocessors, each alone on its multiprocessor (launch_forward's
     DEEP_PIPELINE): the pipelined tile loop with 128-token tiles in 4 stages, 128 KB of a document in flight per
     program at 128 dims. H100, in-process, pairs 64 Lq32 Ld2048 inference / training forward (us): 22.0 / 23.1
     against the streaming loop's 33.0 and the table's 41.2; 128-token tiles in 3 stages 24.8 / 25.9, 6 stages

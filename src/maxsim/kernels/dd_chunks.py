@@ -1,7 +1,7 @@
 """The chunked atomics of a large cross product's dD: which documents each chunk sums in which fp32 buffer, the
 launches that add and cast them, and the cast: a chunk's fp32 buffer rounded into dD, and cleared for the next chunk.
 
-A large cross product's dD is summed a chunk of documents at a time (launch.py's SCATTER_BUFFER_MAX_BYTES), so each
+A large cross product's dD is summed a chunk of documents at a time (launch_settings.SCATTER_BUFFER_MAX_BYTES), so each
 chunk ends with the cast. One launch reads the buffer once and writes both the result and the zeros; a cast copy
 and a memset would be two launches and a second read of the buffer's lines. Where consecutive chunks add into
 different buffers (chunk_plan alternates them), this pass runs inside the next chunk's atomics launch

@@ -13,7 +13,7 @@ on an H100. Here:
    no atomics, and the same bits on every run.
 
 Only ``backward="deterministic"`` of dense layouts (``Q [Nq, Lq, dim]``, ``D [1, K, Ld, dim]``) takes this path
-(``launch.SORTED_DD_MIN_LINKS``), where the owner programs (each walking every query) would cost more; the fast
+(``launch_settings.SORTED_DD_MIN_LINKS``), where the owner programs (each walking every query) would cost more; the fast
 backward keeps the atomics, which cost less GPU time than sort and gather together.
 """
 
@@ -28,7 +28,7 @@ from .sizes import cdiv
 
 NORM_EPS: tl.constexpr = tl.constexpr(NORM_EPS_VALUE)
 BL = 1024  # links per program of link_keys_kernel
-CHUNK = 16  # links gathered per step of a document token's sum (one warp: launch.SORTED_DD_WARPS)
+CHUNK = 16  # links gathered per step of a document token's sum (one warp: launch_settings.SORTED_DD_WARPS)
 
 
 @triton.jit(do_not_specialize=["n_links", "K", "Lq", "Ld"])

@@ -1,5 +1,5 @@
 """The per-token pieces of ``normalize=True``: inverse norms (for the backward, and for the forwards of queries split
-into row blocks and of documents scored by one query each, see ``launch.PRENORM_*``, which hand them on to the
+into row blocks and of documents scored by one query each, see ``launch_settings.PRENORM_*``, which hand them on to the
 backward) and the chain rule that ends the backward.
 
 The scores of normalized tokens depend on ``x̂ = x / max(||x||, eps)``. The backward kernels produce the gradient

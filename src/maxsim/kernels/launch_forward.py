@@ -1,0 +1,363 @@
+"""The forward's launches: a plan per signature (shapes, strides, dtypes, flags, the maximum lengths and the
+launch settings; never values), made once and kept, then each call's allocations and launches.
+
+Nothing here reads a tensor's values on the host: grids and variants come from shapes and the caller's maximum
+lengths only, so calls are free of host↔device syncs and CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from ..layout import Ragged, Views, argmax_dtype, dims, view_as_canonical
+from . import device_info, doc_chunks
+from . import launch_settings as settings
+from . import normalize as normalize_kernels
+from .configs import (
+    ForwardConfig,
+    deep_pipeline_config,
+    forward_config,
+    once_read_config,
+    scores_only_config,
+    streaming_config,
+)
+from .forward import maxsim_fwd_kernel
+from .launch_args import (
+    DENSE,
+    MAX_PLANS,
+    Segs,
+    document_strides,
+    dot_precision,
+    last_dim_contiguous,
+    query_strides,
+    ragged_plan_key,
+    segment_pointers,
+    segments_of,
+    upcast,
+)
+from .launcher import Launcher
+from .sizes import cdiv, next_power_of_2
+
+_fwd = Launcher(maxsim_fwd_kernel)
+_combine_chunks = Launcher(doc_chunks.combine_chunks_kernel)
+
+
+def once_read_table_l2(device: torch.device) -> float:
+    """The card's ONCE_READ_TABLE_L2 bound (infinite for a card the table does not name)."""
+    name = device_info.card_name(device)
+    return next((bound for key, bound in settings.ONCE_READ_TABLE_L2 if key in name), float("inf"))
+
+
+def docs_per_program(base: int, K: int, slots: int, tiles: int, one_doc_gain: float = 1.0) -> int:
+    """How many consecutive documents of ``tiles`` tiles each the ``base`` (query block, row split) programs of a
+    persistent launch walk, for ``slots`` programs resident at once: the split that minimizes the busiest
+    multiprocessor's load, waves x (tiles per program + 3), the 3 being what a program costs besides its tiles
+    (query load, pipeline fill, in tiles; tools/fwd_probe.py on an H100). 1 means: no persistent launch, whose
+    cost is divided by ``one_doc_gain`` where the hardware keeps more of those programs resident than ``slots``
+    counts (they then overlap one's MMA with another's running max)."""
+    best_cost, best_docs = None, 1
+    for waves in [*range(1, 9), cdiv(base * K, slots)]:
+        n_kprogs = max(1, min(K, waves * slots // base))
+        docs = cdiv(K, n_kprogs)
+        cost = cdiv(base * cdiv(K, docs), slots) * (docs * tiles + 3)
+        if docs == 1:
+            cost /= one_doc_gain
+        if best_cost is None or cost < best_cost:
+            best_cost, best_docs = cost, docs
+    return best_docs
+
+
+class ForwardPlan(NamedTuple):
+    """Everything a forward launch needs that depends only on shapes, strides and flags."""
+
+    Nq: int
+    K: int
+    Lq: int
+    out_shape: tuple[int, ...]  # the scores' shape: [Nq, K], or the caller's (Views.out)
+    argmax_dtype: torch.dtype
+    n_rsplit: int
+    n_dsplit: int  # chunks each document is scanned in (see DOC_SPLIT_*)
+    norms_given: bool  # normalize from a pre-pass's inverse norms (see PRENORM_*)
+    grid: int
+    ints: tuple
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+    maxnreg: int
+    launches: dict  # the launcher's plan cache (see Launcher)
+    # The chunks' fold (n_dsplit > 1, else None): grid, the row buffer's fp32 elements, integers, constexprs.
+    combine: tuple | None
+    combine_launches: dict  # the launcher's plan cache of the fold
+
+
+plans: dict[tuple, ForwardPlan] = {}  # by plan_key; also the repeats' entries (keep_repeat, launch.keep_step)
+
+
+def plan_key(
+    Q: Tensor, D: Tensor, q_mask: Tensor | None, d_mask: Tensor | None, normalize: bool, need_argmax: bool,
+    rg: Ragged | None, views: Views | None,
+) -> tuple:  # fmt: skip
+    """What a forward plan depends on: shapes, strides, dtypes, flags and the module settings (never values)."""
+    return (
+        Q.device, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, views,
+        None if q_mask is None else q_mask.stride(), None if d_mask is None else d_mask.stride(), normalize,
+        need_argmax, torch.get_float32_matmul_precision() if Q.dtype == torch.float32 else None, ragged_plan_key(rg),
+        settings.PRENORM_MIN_ROW_BLOCKS, settings.PRENORM_MIN_QUERY_BLOCKS, settings.PRENORM_UNSHARED,
+        settings.STREAM_ONCE_READ, settings.STREAM_L2_RANGE, settings.STREAM_MASKED_MIN_BLOCK_K,
+        settings.STREAM_UNSHARED_MAX_ROWS, settings.STREAM_SHARED_MAX_ROWS, settings.ONCE_READ_TABLE_L2,
+        settings.ONCE_READ_TABLE, settings.ONCE_READ_WIDE_TABLE_L2, settings.DEEP_PIPELINE,
+        settings.DEEP_PIPELINE_MIN_LD, settings.DOC_SPLIT_BELOW, settings.DOC_SPLIT_PROGRAMS_PER_SM,
+        settings.DOC_SPLIT_MIN_TILES,
+    )  # fmt: skip
+
+
+def keep_repeat(
+    key: tuple, Q: Tensor, D: Tensor, normalize: bool, views: Views | None, q_mask: Tensor | None = None,
+    d_mask: Tensor | None = None,
+) -> None:  # fmt: skip
+    """File the plan that a scores-only forward of ``Q``, ``D`` (the caller's tensors, read through ``views``; the
+    masks as canonical views) has just kept under ``key`` as well: a repeat of the call (see :func:`run_repeat`)
+    then finds it without building the plan's key. Repeat entries live among the plans, so whatever clears the plans
+    (a change of the module settings must) clears them too."""
+    plan = plans.get(plan_key(Q, D, q_mask, d_mask, normalize, False, None, views))
+    if plan is not None:
+        plans[key] = plan
+
+
+def run_repeat(
+    key: tuple, Q: Tensor, D: Tensor, q_mask: Tensor | None = None, d_mask: Tensor | None = None
+) -> Tensor | None:
+    """Scores of a call filed by :func:`keep_repeat` under ``key`` (None if there is no such entry): its
+    allocations and launches only. The masks may be the caller's: a launch reads their pointers, which their
+    canonical views share, and the signature holds their strides."""
+    plan = plans.get(key)
+    if plan is None:
+        return None
+    return run_forward(plan, Q, D, q_mask, d_mask, (Q, Q, Q, Q), False)[0]
+
+
+def forward_keeping_norms(
+    Q: Tensor,
+    D: Tensor,
+    q_mask: Tensor | None,
+    d_mask: Tensor | None,
+    normalize: bool,
+    need_argmax: bool,
+    rg: Ragged | None = None,
+    cfg: ForwardConfig | None = None,
+    views: Views | None = None,
+) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor] | None]:
+    """Scores ``[Nq, K]`` fp32, argmax ``[Nq, K, Lq]`` (:func:`~maxsim.layout.argmax_dtype`; None unless
+    ``need_argmax``) and the inverse norms
+    ``(inv_q, inv_d)`` (fp32, the tokens' shapes without ``dim``) where the forward computed them in a pre-pass
+    (``normalize=True``, see ``PRENORM_*``; else None), which a training step hands on to :func:`backward`.
+
+    A pair list gives ``[1, P]`` and ``[1, P, Lq]``. ``cfg`` overrides the launch table (offline tuning only).
+    ``views``: ``Q`` and ``D`` are the caller's tensors, to be read as ``view_as_canonical`` of them, and the results
+    come in the caller's shape (``views.out``, ``[..., Lq]`` for the argmax: the layout of the canonical ones); a
+    repeated call then makes no view at all, since a launch needs pointers only.
+    Calls reuse a plan keyed by shapes, strides, flags and maximum lengths (never values), so a repeated call
+    costs its allocations and a launch of host work."""
+    key = None
+    if cfg is None:
+        key = plan_key(Q, D, q_mask, d_mask, normalize, need_argmax, rg, views)
+        plan = plans.get(key)
+        if plan is not None:
+            return run_forward(plan, Q, D, q_mask, d_mask, segment_pointers(Q, rg), need_argmax)
+    if views is not None:  # (a view shares its tensor's pointer: the plan serves the caller's tensors as given)
+        Q, D = view_as_canonical(Q, views.q), view_as_canonical(D, views.d)
+    Nq, Lq, Bd, K, Ld, dim = dims(Q, D, rg)
+    if Nq == 0 or K == 0 or Lq == 0 or Ld == 0:
+        out_shape = (Nq, K) if views is None or views.out is None else views.out
+        scores = torch.zeros(out_shape, dtype=torch.float32, device=Q.device)
+        argmax = torch.full((*out_shape, Lq), -1, dtype=argmax_dtype(Ld), device=Q.device) if need_argmax else None
+        return scores, argmax, None
+    if key is not None and (Q.stride(-1) != 1 or D.stride(-1) != 1):
+        key = None  # the plan would describe the contiguous copies made below, not these tensors
+    Q, D = last_dim_contiguous(Q), last_dim_contiguous(D)
+    sg = segments_of(Q, D, rg)
+    shared = Bd == 1 and not sg.pairs
+    from_table = cfg is None
+    cfg = cfg or forward_config(Lq, dim, Nq, shared, Q.dtype == torch.float32)
+    n_qblocks = cdiv(Nq, cfg.BQ)
+    # Queries longer than one row block: one program per row block (more programs, shorter ones), partial scores
+    # summed afterwards in a fixed order.
+    n_rsplit = cdiv(Lq, cfg.TQ)
+    n_programs = n_qblocks * n_rsplit * K  # (one per document and row block)
+    stream = False
+    if from_table and deep_pipelined(n_programs, cfg, Ld, D):
+        cfg = deep_pipeline_config(cfg)
+    else:
+        scan = None if need_argmax else once_read_scan(sg, shared, n_qblocks, n_rsplit, cfg, D, d_mask is not None, K)
+        stream = scan == "stream"
+        if scan is not None and from_table:
+            cfg = streaming_config(cfg) if stream else once_read_config(cfg, Ld)
+        elif from_table and not need_argmax:
+            cfg = scores_only_config(cfg, Lq)
+    sqm = (0, 0) if q_mask is None else q_mask.stride()
+    sdm = (0, 0, 0) if d_mask is None else ((0 if shared else d_mask.stride(0)),) + d_mask.stride()[1:]
+    rows_per_prog = cfg.TQ if n_rsplit > 1 else Lq
+    docs_per_prog = 1
+    if cfg.persist and not sg.pairs and sg.d_kind == DENSE and cfg.NUM_K == 1:
+        slots = device_info.sm_count(Q.device) * cfg.persist
+        # A persistent launch planned one program to a multiprocessor (packed queries) loses the two that the
+        # hardware keeps resident when each program takes one document: H100, training forward of 64x64 Lq32 Ld1024
+        # (4 documents of 16 tiles per persistent program) 0.103 ms, one document per program 0.095 ms; with short
+        # documents persistence still wins (64x64 Ld128 0.025 against 0.032 ms, 256x256 Ld300 0.54 against 0.62).
+        gain = settings.ONE_DOC_GAIN if cfg.persist == 1 else 1.0
+        docs_per_prog = docs_per_program(n_qblocks * n_rsplit, K, slots, cdiv(Ld, cfg.BLOCK_N), gain)
+    n_dsplit, chunk_len = 1, 0
+    if docs_per_prog == 1:
+        n_dsplit, chunk_len = document_chunks(n_programs, Ld, cfg.BLOCK_N, Q.device)
+    norms_given = normalize and (
+        n_rsplit >= settings.PRENORM_MIN_ROW_BLOCKS
+        or (n_qblocks >= settings.PRENORM_MIN_QUERY_BLOCKS if shared else bool(settings.PRENORM_UNSHARED))
+    )
+    combine = None
+    if n_dsplit > 1:
+        n_pairs = Nq * K
+        combine = (
+            n_pairs, 2 * n_dsplit * n_pairs * Lq, (n_pairs, Lq, n_dsplit),
+            dict(LQ_BLOCK=min(128, next_power_of_2(Lq)), SAVE_ARGMAX=need_argmax),
+        )  # fmt: skip
+    inv_q_strides = query_strides(torch.empty(Q.shape[:-1] + (1,), device="meta")) if norms_given else (0, 0)
+    inv_d_strides = (
+        document_strides(torch.empty(D.shape[:-1] + (1,), device="meta"), shared) if norms_given else (0, 0, 0)
+    )
+    plan = ForwardPlan(
+        Nq, K, Lq, (Nq, K) if views is None or views.out is None else views.out, argmax_dtype(Ld), n_rsplit, n_dsplit,
+        norms_given,
+        n_qblocks * n_rsplit * n_dsplit * cdiv(K, docs_per_prog),
+        (
+            Nq, K, Lq, Ld, dim,
+            sg.n_q, sg.rows_q, sg.n_d, sg.rows_d,
+            *query_strides(Q), *document_strides(D, shared), *inv_q_strides, *inv_d_strides, *sqm, *sdm,
+            sg.sqs, sg.sds_b, sg.sds_k,
+            n_qblocks, n_rsplit, rows_per_prog, docs_per_prog, n_dsplit, chunk_len,
+        ),
+        dict(
+            TQ=cfg.TQ, BQ=cfg.BQ, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, NUM_K=cfg.NUM_K,
+            Q_KIND=sg.q_kind, D_KIND=sg.d_kind, PAIR_LIST=sg.pairs,
+            HAS_QMASK=q_mask is not None, HAS_DMASK=d_mask is not None, NORMALIZE=normalize,
+            SAVE_ARGMAX=need_argmax, DOT_PRECISION=dot_precision(Q.dtype), UPCAST=upcast(Q.dtype),
+            PERSIST=docs_per_prog > 1, NORMS_GIVEN=norms_given,
+            # (a split query's scores-only loop ran 5 % slower with the early load: ColPali 357 -> 376 us)
+            EARLY_NORMS=norms_given and (need_argmax or n_rsplit == 1),
+            STREAM_D=stream, DOC_SPLIT=n_dsplit > 1,
+        ),
+        cfg.num_warps,
+        cfg.num_stages,
+        cfg.maxnreg,
+        {},
+        combine,
+        {},
+    )  # fmt: skip
+    if key is not None:
+        if len(plans) >= MAX_PLANS:
+            plans.clear()
+        plans[key] = plan
+    return run_forward(plan, Q, D, q_mask, d_mask, (sg.qseg, sg.dseg, sg.pq, sg.pd), need_argmax)
+
+
+def document_chunks(n_programs: int, Ld: int, block_n: int, device: torch.device) -> tuple[int, int]:
+    """``(chunks, tokens per chunk)`` each document of a forward launch of ``n_programs`` programs (one per document
+    and row block) is scanned in: ``(1, 0)`` unless the launch would leave multiprocessors idle (see DOC_SPLIT_*).
+    Chunks are whole tiles of ``block_n`` tokens, from the longest document's ``Ld``."""
+    sms = device_info.sm_count(device)
+    if not settings.DOC_SPLIT_PROGRAMS_PER_SM or n_programs * settings.DOC_SPLIT_BELOW > sms:
+        return 1, 0
+    tiles = cdiv(Ld, block_n)
+    n = min(cdiv(settings.DOC_SPLIT_PROGRAMS_PER_SM * sms, n_programs), tiles // max(1, settings.DOC_SPLIT_MIN_TILES))
+    if n < 2:
+        return 1, 0
+    chunk_tiles = cdiv(tiles, n)
+    return cdiv(tiles, chunk_tiles), chunk_tiles * block_n
+
+
+def deep_pipelined(n_programs: int, cfg: ForwardConfig, Ld: int, D: Tensor) -> bool:
+    """Whether a forward of ``n_programs`` programs (one per document and row block) takes
+    ``deep_pipeline_config`` (see DEEP_PIPELINE)."""
+    thin = cfg.BQ * cfg.TQ <= 32 and cfg.NUM_K == 1 and D.element_size() == 2
+    if not (
+        settings.DEEP_PIPELINE
+        and thin
+        and Ld >= settings.DEEP_PIPELINE_MIN_LD
+        and n_programs < device_info.sm_count(D.device)
+    ):
+        return False
+    return device_info.shared_bytes(D.device) >= settings.DEEP_PIPELINE_MIN_SHARED
+
+
+def once_read_scan(
+    sg: Segs, shared: bool, n_qblocks: int, n_rsplit: int, cfg: ForwardConfig, D: Tensor, masked: bool, K: int
+) -> str | None:  # fmt: skip
+    """How the scores-only forward reads ``D`` if every document tile is read by one program alone (a shared
+    document by the only block of query rows, a query's own candidate by its only row split; a pair list may name a
+    document twice), 16-bit tokens in one dim chunk, thin row blocks: ``"stream"`` (the ``STREAM_D`` loop; the
+    loop keeps two tiles in registers) for a scan of STREAM_L2_RANGE times the L2's size (masked tokens included:
+    the mask is not read on the host) with a document mask only with wide tiles (STREAM_MASKED_MIN_BLOCK_K),
+    ``"table"`` (the pipelined loop with ``once_read_config``'s tiles) for a dense unmasked scan of one 128-wide
+    chunk beyond the card's ONCE_READ_TABLE_L2 (blocks of 33-64 rows with ``K`` > 1 documents a query:
+    ONCE_READ_WIDE_TABLE_L2 on those cards), else None (the table's configuration as it is)."""
+    readers = n_qblocks * n_rsplit if shared else n_rsplit
+    if readers != 1 or sg.pairs or D.element_size() != 2 or cfg.NUM_K != 1:
+        return None
+    rows = cfg.BQ * cfg.TQ
+    if rows > (settings.STREAM_SHARED_MAX_ROWS if shared else settings.STREAM_UNSHARED_MAX_ROWS):
+        return None
+    l2s = D.numel() * D.element_size() / device_info.l2_bytes(D.device)
+    wide_dense = not masked and sg.d_kind == DENSE and cfg.BLOCK_K == 128
+    bound = once_read_table_l2(D.device)
+    if rows > 32 and bound != math.inf and K > 1:  # (one document a query: nothing to walk, see there)
+        bound = min(bound, settings.ONCE_READ_WIDE_TABLE_L2)
+    if settings.ONCE_READ_TABLE and wide_dense and l2s > bound:
+        return "table"
+    if not settings.STREAM_ONCE_READ or (masked and cfg.BLOCK_K < settings.STREAM_MASKED_MIN_BLOCK_K):
+        return None
+    lo, hi = settings.STREAM_L2_RANGE
+    return "stream" if lo <= l2s <= hi else None
+
+
+def run_forward(
+    plan: ForwardPlan, Q: Tensor, D: Tensor, q_mask: Tensor | None, d_mask: Tensor | None, segs: tuple,
+    need_argmax: bool,
+) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor] | None]:  # fmt: skip
+    device = Q.device
+    # (allocated in the caller's shape, whose layout is the canonical one's: no view of the results)
+    scores = torch.empty(plan.out_shape, dtype=torch.float32, device=device)
+    # No argmax tensor at all when none is asked for (the registered op substitutes an empty one).
+    argmax = torch.empty((*plan.out_shape, plan.Lq), dtype=plan.argmax_dtype, device=device) if need_argmax else None
+    n_rsplit, n_dsplit = plan.n_rsplit, plan.n_dsplit
+    # (chunked documents: the fold sums every row of a query, its row blocks' included)
+    separate_rows = n_rsplit > 1 and n_dsplit == 1
+    out = torch.empty((n_rsplit, *plan.out_shape), dtype=torch.float32, device=device) if separate_rows else scores
+    qm = Q if q_mask is None else q_mask.view(torch.uint8)
+    dm = Q if d_mask is None else d_mask.view(torch.uint8)
+    arg = scores if argmax is None else argmax
+    norms = normalize_kernels.inverse_norms(Q, D) if plan.norms_given else None
+    # (chunked documents: each chunk's row maxima, then their tokens, in one allocation; see doc_chunks)
+    rows = torch.empty(plan.combine[1], dtype=torch.float32, device=device) if n_dsplit > 1 else scores
+    tensors = (Q, D, qm, dm, *segs, out, arg, *(norms or (Q, D)), rows)  # (Q, D, scores: unused pointers)
+    dense = q_mask is None and d_mask is None and segs[0] is segs[1] is segs[2] is segs[3] is Q
+    foreign = (Q, D) if dense else (Q, D, qm, dm, *segs)
+    _fwd(
+        plan.grid,
+        tensors,
+        plan.ints,
+        plan.constexprs,
+        plan.num_warps,
+        plan.num_stages,
+        plan.launches,
+        plan.maxnreg,
+        foreign=foreign,
+    )
+    if n_dsplit > 1:
+        grid, _n, ints, constexprs = plan.combine
+        _combine_chunks(grid, (rows, scores, arg), ints, constexprs, 4, 1, plan.combine_launches, foreign=())
+    elif n_rsplit > 1:
+        torch.sum(out, dim=0, out=scores)
+    return scores, argmax, norms

@@ -1,0 +1,166 @@
+"""The launch planning's tunable bounds, each with the measurements that set it.
+
+Read at call time as ``launch_settings.NAME`` by :mod:`.launch_forward` and :mod:`.launch_backward`, whose plan keys
+hold every one of them: setting one (``tools/knobs.py``, the tests) takes effect at the next call, with no stale
+plan. GPU times are medians of the device tool's H100 / H200 (docs/performance.md names each run).
+"""
+
+from __future__ import annotations
+
+# A pair list's backward scans the pair ids in each program (no index built) while programs x pairs stays under
+# this (~64 MiB of L2-resident id reads): measured on an H100, the scan of 2048 pairs by 4096 programs costs less
+# GPU time than the host time it saves; at 3200 pairs x 6400 programs it no longer does (the index is built then).
+PAIR_SCAN_MAX_WORK = 1 << 24
+# The cross product's dD is owned (in the launch of dQ, no zeroed fp32 buffer, no cast: 3 launches fewer;
+# deterministic) up to this many one-hot multiply-adds, tiles padded; beyond it fp32 atomics cost less GPU time
+# (backward="fast"). H100, GPU time of the backward, owned vs atomics: 32x32 Lq32 Ld80 (2^29) 19 vs 23 us, 64x64
+# Lq32 Ld128 (2^31) 59 vs 53 us, 64x64 Lq23 Ld333 dim 96 (1.5 * 2^32) 114 vs 45 us, 256x256 Ld300 1.3 vs 0.53 ms.
+SHARED_OWNER_MAX_WORK = 1 << 31
+# So is it for at most this many query rows (queries x padded Lq) at any size: an owner program walks the queries,
+# while the atomics zero and cast an fp32 buffer of D's size. H100, backward GPU time (gather, owner or atomics,
+# zero-fill, cast, slice sum), owner vs atomics: 1x1000 Lq64 Ld300 (64 rows) 94 vs 187 us; 7x1000 Lq23 Ld333 dim
+# 96 (224 rows) 235 vs 196 us (docs/performance.md v49).
+SHARED_OWNER_MAX_ROWS = 128
+# backward="deterministic" of a dense cross product of at least this many links (query tokens x documents) beyond
+# the owner's size: dD by grouping the links by the document token they chose (a stable sort) and summing each
+# token's links in one program (dd_gather.py) instead of the owner, whose programs each walk every query. H100,
+# deterministic backward GPU time, owner -> sorted gather (one warp, 16 links a step; 4 warps were 1.3-1.4x slower):
+# 32x32 Lq1024 Ld1024 (1M links) 1509 -> 331 us, 256x256 Lq32 Ld300 (2M) 1584 -> 678 us; below the bound the owner
+# keeps the steps (64x64 Lq32 Ld1024, 131k links: backward 287 -> 231 us but the step 500 -> 651 us with the sort's
+# launches; 64x64 Lq23 Ld333 dim 96: 122 -> 168 us).
+SORTED_DD_MIN_LINKS = 1 << 19
+SORTED_DD_WARPS = 1
+# The fast cross product's dD atomics run as programs of the backward's main launch, beside the dQ gather (one
+# launch fewer; the gather's loads and the atomics' traffic overlap), instead of a launch of their own after it.
+# H100, backward GPU time (gather + atomics): 256x256 Ld300 484 -> 424 us, 32x32 Lq1024 Ld1024 220 -> 204 us,
+# off-matrix dim 96 41 -> 34 us; training steps 0.95x, 0.98x, 0.94x, and 64x64 Ld1024 (host-bound) 0.87x.
+FUSED_SCATTER = 1
+# The fp32 buffer the fast cross product's dD atomics add into holds at most SCATTER_BUFFER_MAX_BYTES: beyond, dD is
+# summed a chunk of documents at a time, in two fp32 buffers in turn: the front of dD's own storage, not yet written,
+# and one of its own of at most SCATTER_CHUNK_BYTES (see dd_chunks.chunk_plan); each chunk's cast into dD runs in the
+# next chunk's atomics launch (dd_chunks.chunk_steps), the first chunk's atomics in the dQ gather's launch. Chunking
+# needs chunks of at least SCATTER_CHUNK_MIN_LINKS links (query tokens x documents) in the own buffer, to amortize the
+# launches, and is dropped where that grows the own buffer past SCATTER_BUFFER_MAX_BYTES: few queries against many
+# documents save little for the launches (H200, cross 7x1000 Lq23 Ld333 dim 96, a 128 MB buffer, 667 documents a chunk:
+# step 390 -> 528 us for 183 -> 144 MiB; docs/performance.md v64). A large step's peak memory is then its gradients and
+# saved argmax, not an fp32 copy of dD on top (twice dD's size). The chunks cost GPU time: most of their atomics run
+# without the gather beside them. Training step 256x256 Lq32 Ld300 (a 37.5 MiB buffer; docs/performance.md v58, v61),
+# in-process, unchunked -> chunked: H200 0.855 -> 0.931 ms, H100 0.958 -> 0.983 ms, peak 63.0 -> 27.9 MiB (v58's
+# chunks, each cast in a launch of its own and the chunks in dD before those in their own buffer: H200 1.014 ms, H100
+# 1.075 ms).
+SCATTER_BUFFER_MAX_BYTES = 32 << 20
+# Each program of the fast cross product's dD atomics adds one query-token block into this many documents (its
+# query rows loaded once, every document's argmax and weight before the first atomic; backward.py's
+# _dd_atomics_program). A power of two. H200, backward main launch (the gather and the atomics) GPU time, 1 -> 2 -> 4
+# -> 8 documents: 64x64 Lq32 Ld1024 57.1 -> 36.4 -> 36.3 -> 36.6 us, 64x64 Lq23 Ld333 dim 96 32.1 -> 20.0 -> 22.1 ->
+# 22.2 us, 256x256 Ld300 (with the first chunk) 213.6 -> 145.6 -> 148.2 -> 148.9 us; 32x32 Lq1024 Ld1024 unchanged
+# (174.4 -> 173.4 -> 172.6 -> 171.8 us).
+SCATTER_DOCS = 2
+SCATTER_CHUNK_BYTES = 3 << 20
+SCATTER_CHUNK_MIN_LINKS = 1 << 17
+# A dQ gather of few programs over many pairs each (few queries against many documents or candidates: cross 1x1000
+# Lq64 Ld300 trains in ~1 ms, nearly all of it 4 programs walking 1000 documents) splits each query's walk into
+# slices of at least DQ_SPLIT_MIN_PAIRS pairs, enough of them for DQ_SPLIT_PROGRAMS_PER_SM programs a multiprocessor,
+# each summing its slice into an fp32 buffer that one reduction sums in slice order (deterministic; the same slices
+# in both backward modes). Only walks of at least DQ_SPLIT_MIN_K pairs: the reduction is a launch of host time more.
+# (The split count and slice length are runtime integers: splitting compiles one more variant, an fp32 DQ, once.)
+DQ_SPLIT_MIN_K = 128
+DQ_SPLIT_MIN_PAIRS = 32
+DQ_SPLIT_PROGRAMS_PER_SM = 2
+# Pairs the dQ walk gathers per step when it has the launch to itself, and when it shares it with the owner or the
+# atomics (see _backward_plan).
+DQ_UNROLL = 4
+FUSED_DQ_UNROLL = 1
+# The dD owner builds its 0/1 selector in the MMA's register layout (backward.py's REG_SEL) where that measured faster
+# (see _register_selector; 0: never, for tools/knobs.py and the tests).
+REGISTER_SELECTOR = 1
+# normalize=True: where a document tile is read by several programs (a query split into row blocks, or queries
+# packed BQ to a program against shared documents, more than one block of them), each would sum the tile's squares
+# again: those forwards read the tokens' inverse norms from a pre-pass (one launch over Q and D), loaded before the
+# tile's MMA so that its latency hides theirs. H100, in-process against the tile sums: ColPali 1x500 Lq1024 Ld1024
+# inference 608 -> 356 us, training 32x32 Lq1024 Ld1024 1356 -> 1271 us (then 1260 -> 1136 us with the early
+# load); corpus scan 32x65536 16.3 -> 13.7 ms, cross 128x128 inference 171 -> 142 us, varlen 64x256 157 -> 109 us,
+# training 256x256 Ld300 1.33 -> 1.23 ms (with a load after the MMA the packed loops lost instead: corpus scan
+# 16.2 -> 27.6 ms). One block of queries reads each tile once: there the pre-pass is a second read of D (1x1000
+# Ld300 inference 75 -> 89 us, 7x1000 dim 96 102 -> 116 us), and the tile sums stay. (A boolean of the query count:
+# at most one more compiled variant, as PERSIST.)
+PRENORM_MIN_ROW_BLOCKS = 2
+PRENORM_MIN_QUERY_BLOCKS = 2
+# Documents scored by one query each (candidates, pairs, pair lists) take the pre-pass too: one read of the tokens
+# for the norms costs less GPU time than the forward's tile sums there, and a training step hands the norms on to
+# the backward, which needs them anyway (same launches). H100, GPU time per call, in-process against the tile sums:
+# candidates 32x50 Lq32 Ld180 inference 81 -> 54 us, candidates 32x7 dim 48 12 -> 8 us, training pairs 512 156 ->
+# 125 us, candidates 256x16 Ld300 step 1.18 -> 0.90 ms.
+PRENORM_UNSHARED = 1
+# How much faster one-document programs run than a persistent plan of one program per multiprocessor counts them
+# (two stay resident; see forward). Fitted to the H100 measurements there: any value in (1.13, 1.8) orders them.
+ONE_DOC_GAIN = 1.3
+# Document tiles that one program alone reads (one thin block of query rows against shared documents, or each
+# query's own candidates), 16-bit, one dim chunk, are loaded into registers one tile ahead with an
+# evict-first hint (forward.py's STREAM_D) instead of by the pipeliner's asynchronous copies, which drop the hint:
+# the scan then replaces its own lines in the L2, not the lines other kernels left there (dirty ones cost a
+# write-back in the middle of the scan). The register loop sustains a little less bandwidth than the pipelined one,
+# so this pays where the scan's bytes are between STREAM_L2_RANGE times the L2's size. H100 under do_bench's flush
+# (which leaves the L2 dirty), in-process (docs/performance.md v38): 1x1000 Lq32 Ld300 42.0 -> 36.8 us, candidates
+# 32x50 Ld180 39.9 -> 37.8, candidates 32x100 Ld256 85.8 -> 83.9, 1x1000 Ld1024 dim 48 49.3 -> 44.7, 1x1000 Ld1024
+# 102.0 -> 100.7; beyond: 1x4000 Ld1024 dim 64 (524 MB) 181.4 -> 187.7, 1x10000 Ld300 (768 MB) 264.2 -> 271.2;
+# below: candidates 32x7 dim 48 (7 MB) 10.1 -> 11.1; 256-row blocks (7x1000 dim 96, 8 queries packed) 60.0 -> 68.8.
+# Training forwards (the argmax loop) keep the pipelined loop: GPU time of the forward, candidates 64x32 Ld180
+# 42.7 -> 43.6 us, pairs 512 Ld300 23.0 -> 25.1 us, candidates 256x16 Ld300 124.4 -> 126.9 us.
+# With a document mask (v39: the mask of a tile is loaded a tile ahead of its tokens, whose loads it predicates):
+# 1x1000 Ld300 40.2 -> 38.2 us, candidates 32x50 40.5 -> 37.8, 32x100 86.0 -> 79.8 (prefix masks), but dim 48 in
+# 32-token tiles 48.9 -> 60.2 (a tile's work too short to hide the mask's latency): masked scans stream from
+# STREAM_MASKED_MIN_BLOCK_K dims up. A query's own documents stream for queries of up to STREAM_UNSHARED_MAX_ROWS
+# rows (33-64 tokens: 32-token tiles, configs.streaming_config), shared documents for STREAM_SHARED_MAX_ROWS. H100,
+# in-process (`.devdata` sweep, docs/performance.md v49): candidates 64x20 Lq64 Ld300 53.2 -> 45.4 us, 32x100 Lq48
+# Ld256 95.9 -> 82.2, 16x100 Lq64 Ld512 dim 64 60.5 -> 45.1, but pairs 1000 Lq64 Ld333 dim 96 42.0 -> 43.6; one
+# query of 64 rows against shared documents gains less (1x1000 Ld300 41.2 -> 40.7, 1x5000 Ld180 93.0 -> 91.6, 2
+# queries of 32 packed 41.7 -> 40.7; out of the byte range, where the rule does not stream, 1x2000 Lq48 Ld1024 179 ->
+# 189), H200 (v66, tools/knobs.py): 1x5000 Ld180 78.4 -> 76.2 us, so shared documents stream for 64 rows too.
+STREAM_UNSHARED_MAX_ROWS = 64
+STREAM_SHARED_MAX_ROWS = 64
+STREAM_ONCE_READ = 1
+STREAM_L2_RANGE = (0.5, 7.0)
+STREAM_MASKED_MIN_BLOCK_K = 128
+# Per card (a substring of its name, first match): the L2 sizes beyond which a dense unmasked once-read scan of
+# 16-bit tokens of 65-128 dims (one chunk of 128) runs the table's pipelined loop with
+# configs.once_read_config's tiles instead of the stream, whatever STREAM_L2_RANGE says. On an H200 the stream's one
+# register tile ahead falls behind the asynchronous copies' stages from about twice the L2 (in-process, stream ->
+# table, docs/performance.md v73): candidates 32x75 Ld256 (2.5 L2) 53.6 -> 51.9 us, 32x100 (3.3) 66.2 -> 63.1,
+# 1x1000 Ld1024 (4.2) 75.6 -> 74.1, 1x5000 Lq64 Ld180 (3.7) 75.7 -> 69.8, candidates 64x40 Lq64 (3.1) 68.3 -> 63.1;
+# 1x2000 Ld300 (2.4) 52.4 -> 52.3; below, the stream wins: 1x1500 Ld300 (1.8) 41.7 against 44.1, candidates 64x20
+# Lq64 (1.6) 37.5 against 41.1. Other cards (H100: v38's stream-over-table measurements) keep STREAM_L2_RANGE.
+# ONCE_READ_TABLE = 0 turns the rule off (tools/knobs.py).
+ONCE_READ_TABLE_L2: tuple[tuple[str, float], ...] = (("H200", 2.0),)
+ONCE_READ_TABLE = 1
+# On those cards, blocks of 33-64 rows take the table from ONCE_READ_WIDE_TABLE_L2 L2 sizes (its programs persistent,
+# configs.ONCE_READ_WIDE_PERSIST: the stream's tiles were worth more than one-document table programs, not than
+# persistent ones). H200, in-process, stream -> persistent table (docs/performance.md v96): 1x1000 Lq64 Ld300 (1.2
+# L2) 35.4 -> 31.3 us, candidates 32x50 Lq64 Ld180 (1.2) 0.97x, 16x100 Lq64 Ld300 (1.95) 0.95x, 64x20 Lq64 Ld300
+# (1.6) 1.00x, 32x30 Lq48 Ld256 (1.0) 0.99x; below one L2 the stream wins: 1x700 Lq64 Ld300 (0.85) 22.0 against
+# 24.3, candidates 32x20 Lq64 Ld300 (0.78) 1.13x, 1x500 Lq64 Ld300 (0.61) 1.10x (but 1x800 Lq48 Ld200 (0.65) 0.90x).
+# Aligned pairs (one document a query, which no program walks past) keep the 2 L2 bound: one-document table
+# programs of 64-row blocks trailed the stream below it (candidates 64x20 Lq64 1.07x, 32x50 Lq64 1.05x).
+ONCE_READ_WIDE_TABLE_L2 = 1.0
+# A forward launch of fewer programs than the GPU has multiprocessors (few long documents: 64 pairs of 2048 tokens)
+# is bound by how many bytes each program keeps in flight, one 16 KB tile in the streaming loop, 24 KB in the
+# table's pipelined one: thin row blocks (<= 32 rows, one dim chunk, 16-bit) against documents of at least
+# DEEP_PIPELINE_MIN_LD tokens then take configs.deep_pipeline_config (four 32 KB tiles in flight). H100,
+# in-process (docs/performance.md v50): pairs 64 Lq32 Ld2048 inference 33.0 -> 22.0 us, training forward 41.2 ->
+# 23.1; cross 1x64 and candidates 4x16 the same; pairs 128 Ld1024 training forward 29.6 -> 22.3.
+# Only on GPUs whose programs may take DEEP_PIPELINE_MIN_SHARED bytes of shared memory (the variant takes up to
+# ~130 KB: A100 164 KB, H100 / H200 227 KB; not the ~100 KB of consumer parts, where it would not launch).
+DEEP_PIPELINE = 1
+DEEP_PIPELINE_MIN_LD = 512
+DEEP_PIPELINE_MIN_SHARED = 160 << 10
+# A launch that fills at most 1 / DOC_SPLIT_BELOW of the multiprocessors (a handful of long documents) scans each
+# document in chunks by programs of their own, enough for DOC_SPLIT_PROGRAMS_PER_SM programs a multiprocessor, each
+# chunk at least DOC_SPLIT_MIN_TILES tiles; the chunks' row maxima are folded by one launch more
+# (kernels/doc_chunks.py), which costs a launch and an allocation of host time. Not for persistent launches.
+DOC_SPLIT_BELOW = 4
+DOC_SPLIT_PROGRAMS_PER_SM = 1
+DOC_SPLIT_MIN_TILES = 4
+# Not for streamed scans of many short documents, whose last wave is ragged (candidates 32x50: 1600 programs of 3
+# tiles on 528 slots): H200, in-process (docs/performance.md v63), 1-tile chunks by programs of their own 1.30-1.38x
+# slower; persistent programs over even ranges of each row's tiles, the cut documents folded, 1.01x (1x1000 Ld1024
+# 1.07x), i.e. the last wave's few programs take more than their share of the bandwidth, not a wave's time.
