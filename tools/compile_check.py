@@ -30,6 +30,7 @@ from triton.compiler import ASTSource
 from triton.compiler.compiler import make_backend
 
 from maxsim.kernels import (
+    configs,
     device_info,
     launch,
     launch_args,
@@ -47,7 +48,12 @@ _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", 
 SASS = "--sass" in sys.argv
 REGS = "--regs" in sys.argv or SASS
 FULL = "--full" in sys.argv or REGS
-FILTERS = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
+FILTERS = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a and not a.startswith("shapes="))
+# (Lq, dim) of the queries: the matrix's, off-matrix ones and wide tokens; ``shapes=32x384,200x768`` replaces them
+SHAPES = ((32, 128), (8, 64), (200, 128), (32, 256), (23, 96), (23, 48), (32, 384), (200, 384), (32, 768), (32, 1024))
+for _arg in sys.argv[1:]:
+    if _arg.startswith("shapes="):
+        SHAPES = tuple(tuple(int(v) for v in s.split("x")) for s in _arg[len("shapes=") :].split(","))
 seen: dict = {}
 failures: list[str] = []
 
@@ -120,7 +126,9 @@ def fake_call(self, grid, tensors, ints, constexprs, num_warps, num_stages=3, pl
     except Exception as e:  # noqa: BLE001
         seen[key] = -1
         failures.append(f"{kernel.__name__} {constexprs}: {e}")
-        traceback.print_exc()
+        print(f"FAILED NOW: {kernel.__name__} warps={num_warps} stages={num_stages} {constexprs}: {e}", flush=True)
+        if "shared memory" not in str(e):
+            traceback.print_exc()
 
 
 def _ptxas() -> str:
@@ -184,7 +192,9 @@ def main() -> None:
     )  # (the streaming scans too: the small shapes here are far below)
     for dt in (torch.bfloat16, torch.float32):
         for normalize in (False, True):
-            for lq, dim in ((32, 128), (8, 64), (200, 128), (32, 256), (23, 96), (23, 48)):  # + off-matrix
+            for lq, dim in SHAPES:
+                if dim > configs.WIDEST_DIM[dt.itemsize]:  # (the PyTorch path's: backend.choose_impl)
+                    continue
                 Q = torch.randn(4, lq, dim, dtype=dt)
                 for D in (torch.randn(1, 5, 40, dim, dtype=dt), torch.randn(4, 3, 40, dim, dtype=dt)):
                     for masks in (False, True):

@@ -2,8 +2,9 @@
 
 ``"auto"`` (default) runs Triton on CUDA tensors and PyTorch elsewhere. ``"triton"`` forces the kernels; on CPU
 tensors that needs Triton's interpreter (``TRITON_INTERPRET=1`` set before import), which is how CI tests them.
-``"torch"`` runs the PyTorch path everywhere. float64 inputs always take the PyTorch path. The choice is made in
-Python before the registered op is called, from devices and dtypes only (no sync).
+``"torch"`` runs the PyTorch path everywhere. float64 inputs always take the PyTorch path, and so do tokens wider
+than the kernels take (``kernels.configs.WIDEST_DIM``: 1024 dims of 16-bit values, 512 of fp32) under ``"auto"``.
+The choice is made in Python before the registered op is called, from devices, dtypes and shapes only (no sync).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import os
 from collections.abc import Iterator
 
 import torch
+
+from .kernels.configs import WIDEST_DIM  # (plain Python: no triton import)
 
 BACKENDS = ("auto", "triton", "torch")
 _INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
@@ -61,6 +64,13 @@ def choose_impl(x: torch.Tensor) -> str:
     if x.dtype == torch.float64:
         return "torch"
     if _backend == "torch":
+        return "torch"
+    if x.shape[-1] > WIDEST_DIM.get(x.element_size(), 0):
+        if _backend == "triton":
+            raise ValueError(
+                f"backend: 'triton' takes tokens of at most {WIDEST_DIM[x.element_size()]} dims in {x.dtype}, got "
+                f"{x.shape[-1]} (the PyTorch path, maxsim.backend('auto') or 'torch', takes any width)"
+            )
         return "torch"
     triton_ok = _HAS_TRITON and (x.is_cuda or _INTERPRETER)
     if _backend == "triton":

@@ -66,6 +66,11 @@ def forward_config(Lq: int, dim: int, Nq: int, shared_docs: bool, fp32: bool = F
     documents (cross product); ``fp32``: 4-byte tokens (see :func:`_fp32_config`)."""
     if fp32:
         return _fp32_config(Lq, dim, Nq, shared_docs)
+    return fit_tiles(_bf16_config(Lq, dim, Nq, shared_docs), dim, 2)
+
+
+def _bf16_config(Lq: int, dim: int, Nq: int, shared_docs: bool) -> ForwardConfig:
+    """:func:`forward_config` of 16-bit tokens, before :func:`fit_tiles`."""
     # Measured on an H200 (tools/tune.py, bf16, dim 128; runs 3-5 in docs/performance.md): packing 8 queries of 32
     # tokens (256 rows) against one document tile wins every compute-bound cross-product shape; single thin
     # queries are memory-bound and prefer 4 warps; long queries (Lq > 128) run one 128-row block per program.
@@ -104,6 +109,35 @@ def forward_config(Lq: int, dim: int, Nq: int, shared_docs: bool, fp32: bool = F
     return ForwardConfig(TQ, BQ, block_n, block_k, num_k, num_warps, 3, persist=persist)
 
 
+# Shared memory a forward program of 16-bit tokens may fill with its query block (BQ x TQ rows) and its document tiles
+# in flight (stages x BLOCK_N tokens), every dim chunk of both, at the padded dim (forward_shared_bytes). sm_90 gives a
+# program 227 KB, of which the barriers and the epilogue's scratch take a few. H200, at the first launch (Triton's
+# OutOfResources otherwise): a 768-dim block of 4 x 32 rows against 32-token tiles in 3 stages asked for 448 KB,
+# (128 + 96) x 2 KB; 64 rows against 16-token tiles in 3 stages 228 KB, 224 KB of blocks and tiles (found by
+# tests/test_cranfield.py's real 384-dim tokens, then tests/test_wide_tokens.py). The table fits it up to 256 dims
+# (at most 112 KB); wider tokens take fewer packed queries, then shorter tiles, then fewer stages, then fewer rows a
+# block. (fp32 tokens size their own blocks: see _fp32_config.)
+FORWARD_SHARED_BYTES = 216 << 10
+MIN_TILE_N, MIN_STAGES, MIN_TQ = 16, 2, 16
+# The widest tokens the kernels take, by bytes a value (wider ones run the PyTorch path: backend.choose_impl).
+WIDEST_DIM = {2: 1024, 4: 512}
+
+
+def forward_shared_bytes(cfg: ForwardConfig, dim: int, itemsize: int) -> int:
+    """What :data:`FORWARD_SHARED_BYTES` bounds: the query block and the tiles in flight, at the padded dim."""
+    return (cfg.BQ * cfg.TQ + cfg.num_stages * cfg.BLOCK_N) * max(16, next_pow2(dim)) * itemsize
+
+
+def fit_tiles(cfg: ForwardConfig, dim: int, itemsize: int) -> ForwardConfig:
+    """``cfg`` shrunk until :func:`forward_shared_bytes` fits; unchanged where it fits (the table up to 256 dims)."""
+    steps = (("BQ", 1), ("BLOCK_N", MIN_TILE_N), ("num_stages", MIN_STAGES), ("TQ", MIN_TQ))
+    for field, least in steps:
+        while forward_shared_bytes(cfg, dim, itemsize) > FORWARD_SHARED_BYTES and getattr(cfg, field) > least:
+            value = getattr(cfg, field)
+            cfg = replace(cfg, **{field: value - 1 if field == "num_stages" else value // 2})
+    return cfg
+
+
 def _fp32_config(Lq: int, dim: int, Nq: int, shared_docs: bool) -> ForwardConfig:
     """fp32 tokens go through the tensor cores as ``tf32x3`` (launch_args.py's ``dot_precision``), whose split operands
     take twice the shared memory and registers of 16-bit ones: the 16-bit table's 256-row blocks and 128-row long
@@ -115,6 +149,11 @@ def _fp32_config(Lq: int, dim: int, Nq: int, shared_docs: bool) -> ForwardConfig
     against 64-token tiles in three stages (1x1000 Ld300 76 / 91, candidates 64x32 Ld180 93 / 118; 16-token tiles
     128 / 130 and 164 / 170, 128-token 211 / 205)."""
     block_k, num_k = _dim_split(dim)
+    if num_k > 2:
+        # 257-512 dims: the split operands of the query block take shared memory beyond what forward_shared_bytes
+        # counts for 16-bit values (sm_90 compiles: 64 rows against 32-token tiles in 2 stages 352 KB), so 32-row
+        # blocks against 16-token tiles in 2 stages (H200: every layout, Lq 23 to 200, both backwards, exact).
+        return ForwardConfig(min(32, max(16, next_pow2(Lq))), 1, 16, block_k, num_k, 4, 2)
     TQ = min(64, max(16, next_pow2(Lq)))
     BQ = max(1, min(64 // TQ, next_pow2(Nq))) if shared_docs else 1
     if num_k > 1:

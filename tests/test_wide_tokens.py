@@ -1,0 +1,103 @@
+"""Tokens wider than the matrix's 128 dims: MiniLM's 384, BERT's 768, 1024.
+
+The forward keeps every dim chunk of its query block and of the document tiles in flight in shared memory, so wide
+tokens take fewer packed queries, shorter tiles and fewer stages (``configs.fit_tiles``). Up to
+``configs.WIDEST_DIM`` (1024 dims of 16-bit values, 512 of fp32) the kernels take them; wider tokens run the PyTorch
+path under ``backend="auto"`` and are refused by name under ``"triton"``. (Before: 384-dim fp32 and 768-dim bf16
+calls failed at their first launch on an H200 with Triton's OutOfResources, found by tests/test_cranfield.py.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import check_parity, make_inputs, randn
+
+import maxsim
+from maxsim import reference
+from maxsim.backend import choose_impl
+from maxsim.kernels import configs
+
+
+@pytest.mark.parametrize("fp32", [False, True])
+def test_the_forward_tiles_fit_shared_memory_up_to_the_widest_tokens(fp32):
+    itemsize = 4 if fp32 else 2
+    dims = [d for d in (1, 8, 48, 96, 100, 128, 129, 200, 256, 257, 300, 384, 512, 513, 768, 1000, 1024)
+            if d <= configs.WIDEST_DIM[itemsize]]  # fmt: skip
+    for dim in dims:
+        for lq in (1, 7, 23, 32, 33, 64, 100, 129, 200, 1024):
+            for nq in (1, 3, 8, 64):
+                for shared in (False, True):
+                    cfg = configs.forward_config(lq, dim, nq, shared, fp32)
+                    where = f"dim {dim}, Lq {lq}, Nq {nq}, shared {shared}: {cfg}"
+                    assert cfg.BLOCK_N >= configs.MIN_TILE_N and cfg.num_stages >= configs.MIN_STAGES, where
+                    assert cfg.TQ >= configs.MIN_TQ, where
+                    if not fp32:
+                        assert configs.forward_shared_bytes(cfg, dim, 2) <= configs.FORWARD_SHARED_BYTES, where
+                    elif dim > 256:  # (GPU-checked: 32-row blocks against 16-token tiles in 2 stages)
+                        assert (cfg.BQ * cfg.TQ, cfg.BLOCK_N, cfg.num_stages) == (32 if lq > 16 else 16, 16, 2), where
+
+
+def test_the_table_below_256_dims_is_unchanged():
+    """fit_tiles only shrinks what does not fit: the measured table entries up to 256 dims stay as they were."""
+    for fp32 in (False, True):
+        for dim in (48, 64, 96, 128, 256):
+            for lq in (8, 32, 64, 200):
+                cfg = configs.forward_config(lq, dim, 8, True, fp32)
+                raw = (configs._fp32_config if fp32 else configs._bf16_config)(lq, dim, 8, True)
+                assert cfg == raw, (dim, lq, fp32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_wider_tokens_are_refused_by_name_under_the_triton_backend(dtype):
+    widest = configs.WIDEST_DIM[torch.empty(0, dtype=dtype).element_size()]
+    Q = randn((2, 3, widest + 1), seed=1, dtype=dtype)
+    D = randn((2, 4, widest + 1), seed=2, dtype=dtype)
+    with maxsim.backend("triton"), pytest.raises(ValueError) as err:
+        maxsim.maxsim(Q, D)
+    assert "triton" in str(err.value) and str(widest) in str(err.value) and str(widest + 1) in str(err.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_wider_tokens_run_the_pytorch_path_under_auto(dtype, device):
+    """On the GPU too: the reference's scores and gradients, through the PyTorch path."""
+    widest = configs.WIDEST_DIM[torch.empty(0, dtype=dtype).element_size()]
+    inputs = make_inputs("cross", 3, 4, 5, 9, widest + 1, dtype=dtype, device=device, seed=3, masks="holes")
+    assert choose_impl(inputs.Q) == "torch"
+    check_parity(inputs)
+
+
+WIDE = [(torch.float32, 300), (torch.float32, 384), (torch.float32, 512), (torch.bfloat16, 384),
+        (torch.bfloat16, 768), (torch.bfloat16, 1000), (torch.bfloat16, 1024)]  # fmt: skip
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("lq", [23, 64, 200])
+@pytest.mark.parametrize("layout", ["cross", "candidates", "pairs"])
+@pytest.mark.parametrize(("dtype", "dim"), WIDE, ids=[f"{str(d)[6:]}-{n}" for d, n in WIDE])
+def test_the_kernels_take_wide_tokens(dtype, dim, layout, lq, normalize, device):
+    inputs = make_inputs(layout, 5, 3, lq, 70, dim, dtype=dtype, device=device, seed=dim + lq, masks="holes")
+    with maxsim.backend("triton"):
+        check_parity(inputs, normalize=normalize)
+        check_parity(inputs, normalize=normalize, backward="deterministic")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("dtype", "dim"), WIDE, ids=[f"{str(d)[6:]}-{n}" for d, n in WIDE])
+def test_the_ragged_kernels_take_wide_tokens(dtype, dim, device):
+    lengths_q, lengths_d = torch.tensor([5, 40, 1, 23]), torch.tensor([70, 3, 130, 1, 64])
+    cu_q = torch.nn.functional.pad(lengths_q.cumsum(0), (1, 0)).int().to(device)
+    cu_d = torch.nn.functional.pad(lengths_d.cumsum(0), (1, 0)).int().to(device)
+    Q = randn((int(lengths_q.sum()), dim), seed=5, dtype=dtype, device=device).requires_grad_()
+    D = randn((int(lengths_d.sum()), dim), seed=6, dtype=dtype, device=device).requires_grad_()
+    with maxsim.backend("triton"):
+        s = maxsim.maxsim_varlen(Q, D, cu_q, cu_d, max_seqlen_q=40, max_seqlen_d=130, normalize=True)
+        dQ, dD = torch.autograd.grad(s.sum(), (Q, D))
+    Qr, Dr = (x.detach().double().requires_grad_() for x in (Q, D))
+    r = reference.maxsim_varlen(Qr, Dr, cu_q, cu_d, normalize=True)
+    rdQ, rdD = torch.autograd.grad(r.sum(), (Qr, Dr))
+    torch.testing.assert_close(s.double(), r, rtol=1e-3 if dtype != torch.float32 else 1e-5, atol=1e-3)
+    tol = 2e-2 if dtype != torch.float32 else 1e-4
+    torch.testing.assert_close(dQ.double(), rdQ, rtol=tol, atol=tol)
+    torch.testing.assert_close(dD.double(), rdD, rtol=tol, atol=tol)
