@@ -19,7 +19,7 @@ from host_profile import host_us  # tools/ is on sys.path when this runs as a sc
 
 import maxsim
 from maxsim import ops
-from maxsim.kernels import launch
+from maxsim.kernels import configs, launch
 from maxsim.kernels.configs import ForwardConfig, forward_config
 
 SHAPES = {
@@ -34,6 +34,20 @@ SHAPES = {
     "cross 128x128 Lq32 Ld300": (128, 128, 32, 300, 128, True, False),
     "train-fwd cross 256x256 Lq32 Ld300": (256, 256, 32, 300, 128, True, True),
     "train-fwd cross 32x32 Lq1024 Ld1024": (32, 32, 1024, 1024, 128, True, True),
+}
+
+
+# Tokens wider than 256 dims (the forward's dim loop: configs.wide), 16-bit unless named fp32: BGE-M3's 1024-dim
+# multi-vectors, BERT's 768, MiniLM's 384. name: (Nq, K, Lq, Ld, dim, shared_docs, need_argmax, dtype)
+WIDE_SHAPES = {
+    "cross 32x256 Lq32 Ld180 d1024": (32, 256, 32, 180, 1024, True, False, torch.bfloat16),
+    "train-fwd cross 32x256 Lq32 Ld180 d1024": (32, 256, 32, 180, 1024, True, True, torch.bfloat16),
+    "cross 32x256 Lq32 Ld180 d768": (32, 256, 32, 180, 768, True, False, torch.bfloat16),
+    "cand B32 K100 Lq32 Ld256 d1024": (32, 100, 32, 256, 1024, False, False, torch.bfloat16),
+    "cross 1x1000 Lq32 Ld512 d1024": (1, 1000, 32, 512, 1024, True, False, torch.bfloat16),
+    "cross 8x64 Lq256 Ld512 d1024": (8, 64, 256, 512, 1024, True, False, torch.bfloat16),
+    "cross 32x256 Lq32 Ld180 d384 fp32": (32, 256, 32, 180, 384, True, False, torch.float32),
+    "train-fwd cand B32 K16 Lq32 Ld256 d512 fp32": (32, 16, 32, 256, 512, False, True, torch.float32),
 }
 
 
@@ -58,6 +72,84 @@ def candidates(Lq: int, dim: int, Nq: int, shared: bool, quick: bool):
         if rows * bn > 256 * 64 or (rows >= 256 and nw == 4):
             continue
         yield ForwardConfig(tq, bq, bn, block_k, num_k, nw, ns)  # (Lq > tq: one program per row block)
+
+
+def wide_candidates(Lq: int, dim: int, Nq: int, shared: bool, itemsize: int):
+    """Dim-loop configurations: rows, tiles, chunk widths, stages (warps follow the rows) within shared memory."""
+    tq = min(128, max(16, triton.next_power_of_2(Lq)))
+    for rows, bn, bk, ns in itertools.product((32, 64, 128, 256), (32, 64, 128), (32, 64, 128), (2, 3, 4)):
+        if bk == 32 and itemsize == 2:
+            continue
+        if rows < tq or ((not shared or Lq > tq) and rows != tq) or rows // tq > max(1, triton.next_power_of_2(Nq)):
+            continue
+        if rows * bn > 256 * 64 or (itemsize == 4 and (rows > 128 or bn > 64)):
+            continue
+        for nw in (4, 8) if itemsize == 4 and rows < 128 else (8 if rows >= 128 else 4,):
+            cfg = ForwardConfig(tq, rows // tq, bn, bk, -(-dim // bk), nw, ns)
+            if cfg.NUM_K > 2 and configs.forward_shared_bytes(cfg, dim, itemsize) <= configs.FORWARD_SHARED_BYTES:
+                yield cfg
+
+
+def _wide_inputs(name: str) -> tuple:
+    Nq, K, Lq, Ld, dim, shared, need_arg, dtype = WIDE_SHAPES[name]
+    Q = torch.randn(Nq, Lq, dim, device="cuda", dtype=dtype)
+    D = torch.randn(1 if shared else Nq, K, Ld, dim, device="cuda", dtype=dtype)
+    return Q, D, [forward_config(Lq, dim, Nq, shared, dtype == torch.float32),
+                  *wide_candidates(Lq, dim, Nq, shared, Q.element_size())]  # fmt: skip
+
+
+def _compile_wide(job: tuple[int, int, list[str]]) -> int:
+    """A worker's share (every ``n``-th configuration from ``i``) compiled into Triton's cache by one launch each."""
+    i, n, names = job
+    count = 0
+    for name in names:
+        Q, D, cfgs = _wide_inputs(name)
+        for cfg in cfgs[i::n]:
+            try:
+                launch.forward(Q, D, None, None, False, WIDE_SHAPES[name][6], cfg=cfg)
+                count += 1
+            except Exception:  # noqa: BLE001 - reported when the timing loop meets it again
+                pass
+        del Q, D
+    torch.cuda.synchronize()
+    return count
+
+
+def sweep_wide(only: str | None = None, jobs: int = 1) -> dict:
+    """Each wide shape: the table's configuration, the best of :func:`wide_candidates`, and eager PyTorch's
+    materialized similarities for scale. ``jobs`` processes compile the variants first (Triton's cache), so the
+    timing loop, alone on the GPU, loads them."""
+    names = [n for n in WIDE_SHAPES if not only or any(part in n for part in only.split(","))]
+    if jobs > 1:
+        import multiprocessing
+
+        with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+            print(f"compiled {sum(pool.map(_compile_wide, [(i, jobs, names) for i in range(jobs)]))} variants",
+                  flush=True)  # fmt: skip
+    results = {}
+    for name in names:
+        Nq, K, Lq, Ld, dim, shared, need_arg, dtype = WIDE_SHAPES[name]
+        Q, D, cfgs = _wide_inputs(name)
+        eq = "qid,kjd->qkij" if shared else "qid,qkjd->qkij"
+        Dx = D[0] if shared else D
+        eager = bench(lambda: torch.einsum(eq, Q, Dx).amax(-1).sum(-1))
+        default = cfgs[0]
+        rows = []
+        for cfg in cfgs:
+            try:
+                ms = bench(lambda cfg=cfg: launch.forward(Q, D, None, None, False, need_arg, cfg=cfg))
+            except Exception as e:  # noqa: BLE001 - a config that fails to compile is just skipped
+                print(f"  {name}: {cfg} failed: {repr(e)[:120]}")
+                continue
+            rows.append((ms, cfg))
+        rows.sort(key=lambda r: r[0])
+        d_ms = next((ms for ms, c in rows if c == default), float("nan"))
+        print(f"{name}: eager {eager:.4f} ms, default {d_ms:.4f} ms {default}", flush=True)
+        for ms, cfg in rows[:6]:
+            print(f"    {ms:.4f} ms {cfg}", flush=True)
+        results[name] = {"eager_ms": eager, "default_ms": d_ms, "best": [(ms, cfg.__dict__) for ms, cfg in rows[:8]]}
+        torch.cuda.empty_cache()
+    return results
 
 
 def sweep_forward(quick: bool, only: str | None = None) -> dict:
@@ -141,6 +233,8 @@ def main() -> None:
     ap.add_argument("--skip-sweep", action="store_true")
     ap.add_argument("--skip-backward", action="store_true")
     ap.add_argument("--shapes", help="comma-separated substrings of shape names to sweep")
+    ap.add_argument("--wide", action="store_true", help="sweep the dim loop's shapes (WIDE_SHAPES) instead")
+    ap.add_argument("--jobs", type=int, default=1, help="processes that compile the wide sweep's variants first")
     a = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
     out = {"device": torch.cuda.get_device_name()}
@@ -151,7 +245,9 @@ def main() -> None:
     out["host_us"] = host_overhead()
     if not a.skip_backward:
         out["backward"] = backward_pieces()
-    if not a.skip_sweep:
+    if a.wide:
+        out["wide"] = sweep_wide(a.shapes, a.jobs)
+    elif not a.skip_sweep:
         out["forward"] = sweep_forward(a.quick, a.shapes)
     path = os.path.join(os.environ.get("OUT", "."), "tune.json")
     with open(path, "w") as f:

@@ -60,10 +60,40 @@ LONG_QUERY_BLOCK_N, LONG_QUERY_NUM_WARPS, LONG_QUERY_STAGES = 64, 4, 3
 LONG_QUERY_SCORES_STAGES = 4
 
 
+# Tokens wider than this many dims (the padded width) run the forward's pipelined dim loop (forward.py's
+# UNROLLED_DIM_CHUNKS: more than two chunks), in WIDE_BLOCK_K-wide chunks: a query chunk and a tile chunk a stage,
+# where the unrolled loop holds every chunk of the query block and of the tiles in flight.
+UNROLLED_MAX_DIM = 256
+UNROLLED_DIM_CHUNKS = 2  # (forward.py's constant of the same name)
+WIDE_BLOCK_K = 64
+
+
+def wide(dim: int) -> bool:
+    """Whether ``dim``-wide tokens take the forward's dim loop."""
+    return max(16, next_pow2(dim)) > UNROLLED_MAX_DIM
+
+
+def _wide_config(Lq: int, dim: int, Nq: int, shared_docs: bool, itemsize: int) -> ForwardConfig:
+    """The dim loop's configuration (see :data:`WIDE_BLOCK_K`): 16-bit tokens take the rows of the 128-dim table
+    against 64-token tiles; fp32 ones (``tf32x3``: split operands) blocks of at most 64 rows, as in
+    :func:`_fp32_config`, against 32-token tiles."""
+    num_k = -(-dim // WIDE_BLOCK_K)
+    most_rows = 256 if itemsize == 2 else 64
+    TQ = min(128, most_rows, max(16, next_pow2(Lq)))  # (longer queries: one program a row block)
+    BQ = max(1, min(most_rows // TQ, next_pow2(Nq))) if shared_docs and Lq <= TQ else 1
+    if TQ >= PACK_TRIM_MIN_TQ:
+        BQ = _fewest_slots(Nq, BQ)
+    rows = BQ * TQ
+    return ForwardConfig(TQ, BQ, 64 if itemsize == 2 else 32, WIDE_BLOCK_K, num_k, 8 if rows >= 128 else 4, 3)
+
+
 @lru_cache(maxsize=256)
 def forward_config(Lq: int, dim: int, Nq: int, shared_docs: bool, fp32: bool = False) -> ForwardConfig:
     """Pick the forward variant (the same with or without the argmax). ``shared_docs``: every query sees the same
     documents (cross product); ``fp32``: 4-byte tokens (see :func:`_fp32_config`)."""
+    itemsize = 4 if fp32 else 2
+    if wide(dim):
+        return fit_tiles(_wide_config(Lq, dim, Nq, shared_docs, itemsize), dim, itemsize)
     if fp32:
         return _fp32_config(Lq, dim, Nq, shared_docs)
     return fit_tiles(_bf16_config(Lq, dim, Nq, shared_docs), dim, 2)
@@ -124,8 +154,12 @@ WIDEST_DIM = {2: 1024, 4: 512}
 
 
 def forward_shared_bytes(cfg: ForwardConfig, dim: int, itemsize: int) -> int:
-    """What :data:`FORWARD_SHARED_BYTES` bounds: the query block and the tiles in flight, at the padded dim."""
-    return (cfg.BQ * cfg.TQ + cfg.num_stages * cfg.BLOCK_N) * max(16, next_pow2(dim)) * itemsize
+    """What :data:`FORWARD_SHARED_BYTES` bounds: the query block and the tiles in flight, at the padded dim; in the
+    dim loop (:func:`wide`), a chunk of both a stage."""
+    rows = cfg.BQ * cfg.TQ
+    if cfg.NUM_K > UNROLLED_DIM_CHUNKS:
+        return cfg.num_stages * (rows + cfg.BLOCK_N) * cfg.BLOCK_K * itemsize
+    return (rows + cfg.num_stages * cfg.BLOCK_N) * max(16, next_pow2(dim)) * itemsize
 
 
 def fit_tiles(cfg: ForwardConfig, dim: int, itemsize: int) -> ForwardConfig:

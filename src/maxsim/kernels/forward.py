@@ -24,6 +24,8 @@ import triton.language as tl
 from .segments import doc_segment, query_segment
 
 NORM_EPS: tl.constexpr = tl.constexpr(1e-12)
+# Dim chunks a tile's product unrolls (every chunk's loads in flight together); more run as a pipelined loop.
+UNROLLED_DIM_CHUNKS: tl.constexpr = tl.constexpr(2)
 
 
 @triton.jit
@@ -102,6 +104,39 @@ def _argmax_slots(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SAVE_ARGMAX: tl.
 
 
 @triton.jit
+def _chunk_product(
+    s, sumsq, qt, q_rows, row_ok, d_base, cols, col_ok, d_len, dim, sd_l, kc, dt_pre, BLOCK_K: tl.constexpr,
+    NUM_K: tl.constexpr, HAS_DMASK: tl.constexpr, SUMSQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, STREAM_D: tl.constexpr,
+):  # fmt: skip
+    """Dim chunk ``kc`` of a tile's similarities added into ``s [rows, BLOCK_N]`` (and its tokens' squares into
+    ``sumsq [BLOCK_N]`` where ``SUMSQ``). With one chunk, ``qt`` is the query block; ``STREAM_D``: ``dt_pre`` is the
+    tile."""
+    if NUM_K > 1:
+        qt = _load_q_chunk(q_rows, row_ok, kc, dim, BLOCK_K, UPCAST)
+    kd = kc * BLOCK_K + tl.arange(0, BLOCK_K)
+    if STREAM_D:
+        dt = dt_pre
+    elif HAS_DMASK:
+        # Masked document tokens are not read (they may hold NaN/inf, and their bytes are not needed).
+        dt = tl.load(
+            d_base + cols[:, None] * sd_l + kd[None, :], mask=col_ok[:, None] & (kd[None, :] < dim), other=0.0
+        )  # [BLOCK_N, BLOCK_K], contiguous along dim
+    else:
+        # Rows past the document's end read its last token instead (their columns become -inf after the max's
+        # select): loads without a row predicate, which every tile paid (H100: long-query training step 793 ->
+        # 766 us, ColPali inference 243 -> 229 us; memory-bound rows unchanged).
+        rows = tl.minimum(cols, d_len - 1)
+        dt = tl.load(d_base + rows[:, None] * sd_l + kd[None, :], mask=(kd[None, :] < dim), other=0.0)
+    if SUMSQ:
+        dtf = dt.to(tl.float32)
+        sumsq += tl.sum(dtf * dtf, axis=1)
+    if UPCAST:
+        dt = dt.to(tl.float32)
+    return tl.dot(qt, tl.trans(dt), s, input_precision=DOT_PRECISION), sumsq
+
+
+@triton.jit
 def _scan_tile(
     qt, q_rows, row_ok, d_base, dm_doc, inv_doc, n0, d_len, dim, sd_l, sdm_l, sid_l, m2, a2, any_valid, dt_pre,
     ok_pre, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, HAS_DMASK: tl.constexpr,
@@ -121,33 +156,23 @@ def _scan_tile(
         col_ok = col_ok & (tl.load(dm_doc + cols * sdm_l, mask=in_doc, other=0) != 0)
     s = tl.zeros([qt.shape[0], BLOCK_N], dtype=tl.float32)
     SUMSQ: tl.constexpr = NORMALIZE and not NORMS_GIVEN
-    if SUMSQ:
-        sumsq = tl.zeros([BLOCK_N], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK_N if SUMSQ else 1], dtype=tl.float32)  # (without SUMSQ, a stand-in passed along)
     if NORMALIZE and NORMS_GIVEN and EARLY_NORMS:  # (BLOCK_N floats, loaded before the MMA: it hides their latency)
         inv_cols = tl.load(inv_doc + cols * sid_l, mask=col_ok, other=0.0)
-    for kc in tl.static_range(NUM_K):
-        if NUM_K > 1:
-            qt = _load_q_chunk(q_rows, row_ok, kc, dim, BLOCK_K, UPCAST)
-        kd = kc * BLOCK_K + tl.arange(0, BLOCK_K)
-        if STREAM_D:
-            dt = dt_pre
-        elif HAS_DMASK:
-            # Masked document tokens are not read (they may hold NaN/inf, and their bytes are not needed).
-            dt = tl.load(
-                d_base + cols[:, None] * sd_l + kd[None, :], mask=col_ok[:, None] & (kd[None, :] < dim), other=0.0
-            )  # [BLOCK_N, BLOCK_K], contiguous along dim
-        else:
-            # Rows past the document's end read its last token instead (their columns become -inf below): loads
-            # without a row predicate, which every tile paid (H100: long-query training step 793 -> 766 us,
-            # ColPali inference 243 -> 229 us; memory-bound rows unchanged).
-            rows = tl.minimum(cols, d_len - 1)
-            dt = tl.load(d_base + rows[:, None] * sd_l + kd[None, :], mask=(kd[None, :] < dim), other=0.0)
-        if SUMSQ:
-            dtf = dt.to(tl.float32)
-            sumsq += tl.sum(dtf * dtf, axis=1)
-        if UPCAST:
-            dt = dt.to(tl.float32)
-        s = tl.dot(qt, tl.trans(dt), s, input_precision=DOT_PRECISION)
+    if NUM_K > UNROLLED_DIM_CHUNKS:
+        # Wide tokens: a loop the compiler pipelines chunk by chunk (one query chunk and one tile chunk a stage),
+        # where the unrolled loop below keeps every chunk of both in flight (768 dims: 448 KB of shared memory).
+        for kc in range(NUM_K):
+            s, sumsq = _chunk_product(
+                s, sumsq, qt, q_rows, row_ok, d_base, cols, col_ok, d_len, dim, sd_l, kc, dt_pre, BLOCK_K, NUM_K,
+                HAS_DMASK, SUMSQ, DOT_PRECISION, UPCAST, STREAM_D,
+            )  # fmt: skip
+    else:
+        for kc in tl.static_range(NUM_K):
+            s, sumsq = _chunk_product(
+                s, sumsq, qt, q_rows, row_ok, d_base, cols, col_ok, d_len, dim, sd_l, kc, dt_pre, BLOCK_K, NUM_K,
+                HAS_DMASK, SUMSQ, DOT_PRECISION, UPCAST, STREAM_D,
+            )  # fmt: skip
     if NORMALIZE:
         if SUMSQ:  # (the sum of squares of a tile costs a layout round trip)
             inv_cols = 1.0 / tl.maximum(tl.sqrt(sumsq), NORM_EPS)
