@@ -1,17 +1,18 @@
-"""Tokens wider than the matrix's 128 dims: MiniLM's 384, BERT's 768, 1024.
+"""Tokens wider than the matrix's 128 dims: MiniLM's 384, BERT's 768, BGE-M3's 1024.
 
-The forward keeps every dim chunk of its query block and of the document tiles in flight in shared memory, so wide
-tokens take fewer packed queries, shorter tiles and fewer stages (``configs.fit_tiles``). Up to
-``configs.WIDEST_DIM`` (1024 dims of 16-bit values, 512 of fp32) the kernels take them; wider tokens run the PyTorch
-path under ``backend="auto"`` and are refused by name under ``"triton"``. (Before: 384-dim fp32 and 768-dim bf16
-calls failed at their first launch on an H200 with Triton's OutOfResources, found by tests/test_cranfield.py.)
+Up to 256 dims the forward keeps every dim chunk of its query block and of the document tiles in flight in shared
+memory (``configs.fit_tiles`` shrinks what would not fit); wider tokens run its pipelined dim loop, a chunk of both
+a stage (``configs.wide``). Up to ``configs.WIDEST_DIM`` (1024 dims of 16-bit values, 512 of fp32) the kernels take
+them; wider tokens run the PyTorch path under ``backend="auto"`` and are refused by name under ``"triton"``.
+(Before: 384-dim fp32 and 768-dim bf16 calls failed at their first launch on an H200 with Triton's OutOfResources,
+found by tests/test_cranfield.py.)
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import check_parity, make_inputs, randn
+from helpers import check_parity, make_inputs, randn, triton_usable
 
 import maxsim
 from maxsim import reference
@@ -32,10 +33,13 @@ def test_the_forward_tiles_fit_shared_memory_up_to_the_widest_tokens(fp32):
                     where = f"dim {dim}, Lq {lq}, Nq {nq}, shared {shared}: {cfg}"
                     assert cfg.BLOCK_N >= configs.MIN_TILE_N and cfg.num_stages >= configs.MIN_STAGES, where
                     assert cfg.TQ >= configs.MIN_TQ, where
-                    if not fp32:
-                        assert configs.forward_shared_bytes(cfg, dim, 2) <= configs.FORWARD_SHARED_BYTES, where
-                    elif dim > 256:  # (GPU-checked: 32-row blocks against 16-token tiles in 2 stages)
-                        assert (cfg.BQ * cfg.TQ, cfg.BLOCK_N, cfg.num_stages) == (32 if lq > 16 else 16, 16, 2), where
+                    if configs.wide(dim):  # (the loop's chunks cover the dims, and only them)
+                        assert cfg.NUM_K > configs.UNROLLED_DIM_CHUNKS, where
+                        assert (cfg.NUM_K - 1) * cfg.BLOCK_K < dim <= cfg.NUM_K * cfg.BLOCK_K, where
+                        if fp32:  # (tf32x3's split operands: the blocks measured on the H200)
+                            assert cfg.BQ * cfg.TQ <= 128 and cfg.BLOCK_N <= 64, where
+                    if not fp32 or configs.wide(dim):
+                        assert configs.forward_shared_bytes(cfg, dim, itemsize) <= configs.FORWARD_SHARED_BYTES, where
 
 
 def test_the_table_below_256_dims_is_unchanged():
@@ -81,6 +85,20 @@ def test_the_kernels_take_wide_tokens(dtype, dim, layout, lq, normalize, device)
     with maxsim.backend("triton"):
         check_parity(inputs, normalize=normalize)
         check_parity(inputs, normalize=normalize, backward="deterministic")
+
+
+@pytest.mark.parametrize("layout", ["cross", "candidates", "pairs"])
+@pytest.mark.parametrize(("dtype", "dim", "lq"), [(torch.bfloat16, 300, 23), (torch.float32, 384, 200)])
+def test_the_dim_loop_matches_the_reference(dtype, dim, lq, layout, device):
+    """The wide tokens' loop under the interpreter too (CI): masks with holes, long queries split into row blocks,
+    the normalized scores with the tiles' own norms, both backwards."""
+    if not triton_usable(device):
+        pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
+    assert configs.wide(dim)
+    inputs = make_inputs(layout, 3, 2, lq, 70, dim, dtype=dtype, device=device, seed=dim + lq, masks="holes")
+    with maxsim.backend("triton"):
+        check_parity(inputs)
+        check_parity(inputs, normalize=True, backward="deterministic")
 
 
 @pytest.mark.cuda

@@ -7,7 +7,7 @@ own runner, then judges each row by issue 5's rule (`tools/targets.py`: inferenc
 R = 1.5, E = 0.70).
 
 Usage (GPU):  python tools/offmatrix.py --out DIR [--mode infer|train|all] [--only PATTERN ...] [--impl ...]
-              [--list]
+              [--list] [--wide]
 Writes DIR/<card>.json, .md, .png like `maxsim bench --out`; prints the target table. `compile` is left out unless
 named in --impl (compiling each of these shapes would take most of a device call).
 """
@@ -68,6 +68,20 @@ _TABLE: tuple[tuple[str, str, tuple[tuple[int, ...], ...]], ...] = (
 )  # fmt: skip
 OFF_MATRIX: tuple[Workload, ...] = tuple(_w(mode, layout, *row) for mode, layout, rows in _TABLE for row in rows)
 
+#: ``--wide``: tokens wider than 256 dims (the forward's dim loop): BGE-M3's 1024-dim multi-vectors, BERT's 768,
+#: MiniLM's 384, in the layouts and sizes of the matrix's rows.
+_WIDE_TABLE: tuple[tuple[str, str, tuple[tuple[int, ...], ...]], ...] = (
+    ("infer", "cross", (
+        (32, 256, 32, 180, 1024), (1, 1000, 32, 512, 1024), (1, 1000, 32, 300, 768), (128, 128, 32, 300, 384),
+        (8, 64, 256, 512, 1024),
+    )),
+    ("infer", "candidates", ((32, 100, 32, 256, 1024),)),
+    ("train", "cross", ((32, 32, 32, 180, 1024), (64, 64, 32, 300, 768), (128, 128, 32, 180, 384))),
+    ("train", "candidates", ((64, 16, 32, 256, 1024),)),
+    ("train", "pairs", ((256, 256, 32, 300, 1024),)),
+)  # fmt: skip
+WIDE: tuple[Workload, ...] = tuple(_w(mode, layout, *row) for mode, layout, rows in _WIDE_TABLE for row in rows)
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -77,9 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--impl", nargs="+", default=["maxsim", "eager", "lik", "flash"])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--list", action="store_true", help="list the workloads and exit")
+    ap.add_argument("--wide", action="store_true", help="the wide tokens' table (WIDE) instead")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
-    workloads = select(args.mode, args.only, table=OFF_MATRIX)
+    workloads = select(args.mode, args.only, table=WIDE if args.wide else OFF_MATRIX)
     if args.list:
         for w in workloads:
             print(f"{w.key:50s} {w.shape_str()}")

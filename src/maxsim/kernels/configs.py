@@ -74,17 +74,27 @@ def wide(dim: int) -> bool:
 
 
 def _wide_config(Lq: int, dim: int, Nq: int, shared_docs: bool, itemsize: int) -> ForwardConfig:
-    """The dim loop's configuration (see :data:`WIDE_BLOCK_K`): 16-bit tokens take the rows of the 128-dim table
-    against 64-token tiles; fp32 ones (``tf32x3``: split operands) blocks of at most 64 rows, as in
-    :func:`_fp32_config`, against 32-token tiles."""
+    """The dim loop's configuration (see :data:`WIDE_BLOCK_K`). H200, ``tools/tune.py --wide`` (docs/performance.md
+    v100; ms, the best against the first guess of 64-token tiles in 3 stages): 16-bit blocks of 256 rows (packed
+    queries) keep 64-token tiles in 4 stages (cross 32x256 Lq32 Ld180 d1024 0.224 against 0.252, d768 0.180 against
+    0.201; 128-dim chunks 0.289), 128-row blocks (long queries) 128-token tiles in 4 stages (8x64 Lq256 Ld512
+    d1024 0.231 against 0.316), thin blocks 128-token tiles in 3 stages (candidates 32x100 Ld256 d1024 0.388
+    against 0.411; 1x1000 Ld512 0.254, 128-dim chunks 0.246). fp32 tokens (``tf32x3``: split operands) take blocks
+    of at most 128 rows against 64-token tiles in 3 stages (cross 32x256 Lq32 Ld180 d384: 128 rows 0.564, 64 rows
+    against 32-token tiles 0.805; candidates 32x16 Ld256 d512 0.133 against 0.241)."""
     num_k = -(-dim // WIDE_BLOCK_K)
-    most_rows = 256 if itemsize == 2 else 64
-    TQ = min(128, most_rows, max(16, next_pow2(Lq)))  # (longer queries: one program a row block)
+    most_rows = 256 if itemsize == 2 else 128
+    TQ = min(128, max(16, next_pow2(Lq)))  # (longer queries: one program a 128-row block)
     BQ = max(1, min(most_rows // TQ, next_pow2(Nq))) if shared_docs and Lq <= TQ else 1
     if TQ >= PACK_TRIM_MIN_TQ:
         BQ = _fewest_slots(Nq, BQ)
     rows = BQ * TQ
-    return ForwardConfig(TQ, BQ, 64 if itemsize == 2 else 32, WIDE_BLOCK_K, num_k, 8 if rows >= 128 else 4, 3)
+    warps = 8 if rows >= 128 else 4
+    if itemsize == 4:
+        return ForwardConfig(TQ, BQ, 64, WIDE_BLOCK_K, num_k, warps, 3)
+    if rows >= 256:
+        return ForwardConfig(TQ, BQ, 64, WIDE_BLOCK_K, num_k, warps, 4)
+    return ForwardConfig(TQ, BQ, 128, WIDE_BLOCK_K, num_k, warps, 4 if rows >= 128 else 3)
 
 
 @lru_cache(maxsize=256)
