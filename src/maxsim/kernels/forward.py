@@ -137,21 +137,6 @@ def _chunk_product(
 
 
 @triton.jit
-def _tile_columns(dm_doc, n0, d_len, sdm_l, ok_pre, BLOCK_N: tl.constexpr, HAS_DMASK: tl.constexpr,
-                  STREAM_D: tl.constexpr):  # fmt: skip
-    """``(cols, in_doc, col_ok)`` of the tile ``[n0, n0 + BLOCK_N)``: its token indices, which are in the document,
-    and which hold a valid token (``STREAM_D``: ``ok_pre``, loaded by the caller)."""
-    cols = n0 + tl.arange(0, BLOCK_N)
-    in_doc = cols < d_len
-    col_ok = in_doc
-    if STREAM_D:
-        col_ok = ok_pre
-    elif HAS_DMASK:  # (written out, not _tile_ok: the call cost a masked persistent variant 12 registers)
-        col_ok = col_ok & (tl.load(dm_doc + cols * sdm_l, mask=in_doc, other=0) != 0)
-    return cols, in_doc, col_ok
-
-
-@triton.jit
 def _scan_tile(
     qt, q_rows, row_ok, d_base, dm_doc, inv_doc, n0, d_len, dim, sd_l, sdm_l, sid_l, m2, a2, any_valid, dt_pre,
     ok_pre, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, HAS_DMASK: tl.constexpr,
@@ -161,35 +146,33 @@ def _scan_tile(
     """One document tile ``[n0, n0 + BLOCK_N)`` folded into the running max ``m2`` (and argmax ``a2``) of shape
     ``[rows, BLOCK_N]``; ``any_valid [BLOCK_N]`` remembers whether a column slot ever held a valid token.
     ``STREAM_D`` (one dim chunk): the tile is ``dt_pre`` and its valid columns ``ok_pre``, loaded by the caller
-    (``_stream_tile``, ``_tile_ok``). Every dim chunk of the tile is unrolled (at most UNROLLED_DIM_CHUNKS)."""
-    cols, in_doc, col_ok = _tile_columns(dm_doc, n0, d_len, sdm_l, ok_pre, BLOCK_N, HAS_DMASK, STREAM_D)
+    (``_stream_tile``, ``_tile_ok``)."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    in_doc = cols < d_len
+    col_ok = in_doc
+    if STREAM_D:
+        col_ok = ok_pre
+    elif HAS_DMASK:  # (written out, not _tile_ok: the call cost a masked persistent variant 12 registers)
+        col_ok = col_ok & (tl.load(dm_doc + cols * sdm_l, mask=in_doc, other=0) != 0)
     s = tl.zeros([qt.shape[0], BLOCK_N], dtype=tl.float32)
     SUMSQ: tl.constexpr = NORMALIZE and not NORMS_GIVEN
     sumsq = tl.zeros([BLOCK_N if SUMSQ else 1], dtype=tl.float32)  # (without SUMSQ, a stand-in passed along)
     if NORMALIZE and NORMS_GIVEN and EARLY_NORMS:  # (BLOCK_N floats, loaded before the MMA: it hides their latency)
         inv_cols = tl.load(inv_doc + cols * sid_l, mask=col_ok, other=0.0)
+    if NUM_K > UNROLLED_DIM_CHUNKS:
+        # Wide tokens: a loop the compiler pipelines chunk by chunk (one query chunk and one tile chunk a stage),
+        # where the unrolled loop below keeps every chunk of both in flight (768 dims: 448 KB of shared memory).
+        for kc in range(NUM_K):
+            s, sumsq = _chunk_product(
+                s, sumsq, qt, q_rows, row_ok, d_base, cols, col_ok, d_len, dim, sd_l, kc, dt_pre, BLOCK_K, NUM_K,
+                HAS_DMASK, SUMSQ, DOT_PRECISION, UPCAST, STREAM_D,
+            )  # fmt: skip
     else:
-        inv_cols = sumsq  # (unused)
-    for kc in tl.static_range(NUM_K):
-        s, sumsq = _chunk_product(
-            s, sumsq, qt, q_rows, row_ok, d_base, cols, col_ok, d_len, dim, sd_l, kc, dt_pre, BLOCK_K, NUM_K,
-            HAS_DMASK, SUMSQ, DOT_PRECISION, UPCAST, STREAM_D,
-        )  # fmt: skip
-    return _fold_tile(
-        s, sumsq, inv_cols, inv_doc, cols, in_doc, col_ok, n0, d_len, sid_l, m2, a2, any_valid, BLOCK_N, HAS_DMASK,
-        NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX, EARLY_NORMS,
-    )  # fmt: skip
-
-
-@triton.jit
-def _fold_tile(
-    s, sumsq, inv_cols, inv_doc, cols, in_doc, col_ok, n0, d_len, sid_l, m2, a2, any_valid,
-    BLOCK_N: tl.constexpr, HAS_DMASK: tl.constexpr, NORMALIZE: tl.constexpr, NORMS_GIVEN: tl.constexpr,
-    SAVE_ARGMAX: tl.constexpr, EARLY_NORMS: tl.constexpr,
-):  # fmt: skip
-    """A tile's similarities ``s [rows, BLOCK_N]`` (unnormalized; ``sumsq``: its tokens' squares where the tile
-    sums them, ``inv_cols``: their inverse norms where loaded early) folded into ``(m2, a2, any_valid)``."""
-    SUMSQ: tl.constexpr = NORMALIZE and not NORMS_GIVEN
+        for kc in tl.static_range(NUM_K):
+            s, sumsq = _chunk_product(
+                s, sumsq, qt, q_rows, row_ok, d_base, cols, col_ok, d_len, dim, sd_l, kc, dt_pre, BLOCK_K, NUM_K,
+                HAS_DMASK, SUMSQ, DOT_PRECISION, UPCAST, STREAM_D,
+            )  # fmt: skip
     if NORMALIZE:
         if SUMSQ:  # (the sum of squares of a tile costs a layout round trip)
             inv_cols = 1.0 / tl.maximum(tl.sqrt(sumsq), NORM_EPS)
@@ -211,37 +194,6 @@ def _fold_tile(
         a2 = a2 * keep - BLOCK_N
     m2 = nan_max(m2, s)
     any_valid = tl.maximum(any_valid, col_ok.to(tl.int32))
-    return m2, a2, any_valid
-
-
-@triton.jit
-def _scan_wide(
-    q_rows, row_ok, d_base, dm_doc, inv_doc, d_len, dim, sd_l, sdm_l, sid_l, m2, a2, any_valid, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, HAS_DMASK: tl.constexpr, NORMALIZE: tl.constexpr,
-    NORMS_GIVEN: tl.constexpr, SAVE_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-):  # fmt: skip
-    """Every tile of a document of wide tokens (``NUM_K > UNROLLED_DIM_CHUNKS``) folded into ``(m2, a2,
-    any_valid)``: one loop over (tile, dim chunk) that the compiler pipelines a query chunk and a tile chunk a
-    stage, across tiles too (a loop of chunks nested in the tile loop would fill its pipeline again every tile),
-    each tile folded after its last chunk. The same products in the same order as :func:`_scan_tile`."""
-    SUMSQ: tl.constexpr = NORMALIZE and not NORMS_GIVEN
-    s = tl.zeros([m2.shape[0], BLOCK_N], dtype=tl.float32)
-    sumsq = tl.zeros([BLOCK_N if SUMSQ else 1], dtype=tl.float32)  # (without SUMSQ, a stand-in passed along)
-    for it in range(0, tl.cdiv(d_len, BLOCK_N) * NUM_K):
-        kc = it % NUM_K
-        n0 = (it // NUM_K) * BLOCK_N
-        cols, in_doc, col_ok = _tile_columns(dm_doc, n0, d_len, sdm_l, any_valid, BLOCK_N, HAS_DMASK, False)
-        s, sumsq = _chunk_product(
-            s, sumsq, s, q_rows, row_ok, d_base, cols, col_ok, d_len, dim, sd_l, kc, s, BLOCK_K, NUM_K, HAS_DMASK,
-            SUMSQ, DOT_PRECISION, UPCAST, False,
-        )  # fmt: skip
-        if kc == NUM_K - 1:
-            m2, a2, any_valid = _fold_tile(
-                s, sumsq, sumsq, inv_doc, cols, in_doc, col_ok, n0, d_len, sid_l, m2, a2, any_valid, BLOCK_N,
-                HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX, False,
-            )  # fmt: skip
-            s = tl.zeros([m2.shape[0], BLOCK_N], dtype=tl.float32)
-            sumsq = tl.zeros([BLOCK_N if SUMSQ else 1], dtype=tl.float32)
     return m2, a2, any_valid
 
 
@@ -318,25 +270,19 @@ def _row_block(
     ok = _tile_ok(dm_doc, 0, d_len, sdm_l, BLOCK_N, MASK_AHEAD)
     dt = _first_tile(d_base, d_len, sd_l, dim, d_len > 0, ok, BLOCK_N, BLOCK_K, HAS_DMASK, STREAM_D)
     ok_next = _tile_ok(dm_doc, BLOCK_N, d_len, sdm_l, BLOCK_N, MASK_AHEAD)
-    if NUM_K > UNROLLED_DIM_CHUNKS:
-        m2, a2, any_valid = _scan_wide(
-            q_rows, row_ok, d_base, dm_doc, inv_doc, d_len, dim, sd_l, sdm_l, sid_l, m2, a2, any_valid, BLOCK_N,
-            BLOCK_K, NUM_K, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX, DOT_PRECISION, UPCAST,
+    for n0 in range(0, d_len, BLOCK_N):
+        dt_pre, ok_pre = dt, ok
+        if STREAM_D:  # the next tile's loads in flight during this one's MMA
+            dt = _stream_tile(
+                d_base, n0 + BLOCK_N, d_len, sd_l, dim, n0 + BLOCK_N < d_len, ok_next, BLOCK_N, BLOCK_K, HAS_DMASK
+            )
+            ok = ok_next
+            ok_next = _tile_ok(dm_doc, n0 + 2 * BLOCK_N, d_len, sdm_l, BLOCK_N, MASK_AHEAD)
+        m2, a2, any_valid = _scan_tile(
+            qt, q_rows, row_ok, d_base, dm_doc, inv_doc, n0, d_len, dim, sd_l, sdm_l, sid_l, m2, a2,
+            any_valid, dt_pre, ok_pre, BLOCK_N, BLOCK_K, NUM_K, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX,
+            DOT_PRECISION, UPCAST, EARLY_NORMS, STREAM_D,
         )  # fmt: skip
-    else:
-        for n0 in range(0, d_len, BLOCK_N):
-            dt_pre, ok_pre = dt, ok
-            if STREAM_D:  # the next tile's loads in flight during this one's MMA
-                dt = _stream_tile(
-                    d_base, n0 + BLOCK_N, d_len, sd_l, dim, n0 + BLOCK_N < d_len, ok_next, BLOCK_N, BLOCK_K, HAS_DMASK
-                )
-                ok = ok_next
-                ok_next = _tile_ok(dm_doc, n0 + 2 * BLOCK_N, d_len, sdm_l, BLOCK_N, MASK_AHEAD)
-            m2, a2, any_valid = _scan_tile(
-                qt, q_rows, row_ok, d_base, dm_doc, inv_doc, n0, d_len, dim, sd_l, sdm_l, sid_l, m2, a2,
-                any_valid, dt_pre, ok_pre, BLOCK_N, BLOCK_K, NUM_K, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX,
-                DOT_PRECISION, UPCAST, EARLY_NORMS, STREAM_D,
-            )  # fmt: skip
     row_val, a, live = _finish_rows(
         m2, a2, tl.cdiv(d_len, BLOCK_N) * BLOCK_N, any_valid, qt, q_rows, iq_base + t * siq_l, row_ok, dim,
         BLOCK_N, BLOCK_K, NUM_K, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX, UPCAST,
