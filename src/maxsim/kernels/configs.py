@@ -301,6 +301,7 @@ def deep_pipeline_config(cfg: ForwardConfig) -> ForwardConfig:
 
 
 CANDIDATE_OWNER_BLOCK_K = 64  # dims per dD owner program of a candidate document (see backward_config)
+WIDE_CANDIDATE_OWNER_BLOCK_K = 256  # the same for tokens of more than UNROLLED_MAX_DIM dims
 # Document tokens per dD owner program, and the backward launch's warps (module settings, for tools/knobs.py). H200,
 # in-process, cross product 256x256 Lq32 Ld300 with the owner forced (docs/performance.md v59): backward GPU time
 # 1.44 ms; 128 tokens 1.98 ms, 128 tokens in 8 warps 1.69 ms. (64x64 Ld1024: 261, 320, 247 us.)
@@ -325,4 +326,9 @@ def backward_config(Lq: int, dim: int, candidates: bool = False, normalize: bool
     # pair list's owners would scan its pair ids twice as often. With normalize, whole rows let the owner apply the
     # chain rule itself instead of writing an fp32 buffer for a pass afterwards.
     block_k = min(dim_p, CANDIDATE_OWNER_BLOCK_K if candidates and not normalize else 128)
+    if candidates and not normalize and dim_p > UNROLLED_MAX_DIM:
+        # Wide tokens: 256-dim blocks, a quarter of the programs each loading the query again (H200, .devdata sweep,
+        # docs/performance.md v102: pairs 256 Lq32 Ld300 d1024 backward 0.088 -> 0.066 ms in both modes; 128 dims
+        # 0.073).
+        block_k = WIDE_CANDIDATE_OWNER_BLOCK_K
     return BackwardConfig(bt, dim_p, tq, OWNER_BLOCK_N, block_k, BACKWARD_NUM_WARPS)
