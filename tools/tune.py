@@ -3,7 +3,8 @@
 ``python tools/tune.py [--quick]`` sweeps forward-kernel configurations over named shapes, times each variant with
 CUDA events (median), times the backward pieces separately, and measures the host overhead of each API layer. It
 prints what it finds and writes ``$OUT/tune.json`` (or ``./tune.json``); the winners are then written by hand into
-the heuristic in ``maxsim/kernels/configs.py`` (keyed by coarse shape buckets).
+the heuristic in ``maxsim/kernels/configs.py`` (keyed by coarse shape buckets). ``--wide [--jobs N]`` sweeps the
+dim loop of tokens wider than 256 dims instead (``WIDE_SHAPES``; N processes compile the variants first).
 """
 
 from __future__ import annotations

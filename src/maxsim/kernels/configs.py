@@ -75,7 +75,7 @@ def wide(dim: int) -> bool:
 
 def _wide_config(Lq: int, dim: int, Nq: int, shared_docs: bool, itemsize: int) -> ForwardConfig:
     """The dim loop's configuration (see :data:`WIDE_BLOCK_K`). H200, ``tools/tune.py --wide`` (docs/performance.md
-    v100; ms, the best against the first guess of 64-token tiles in 3 stages): 16-bit blocks of 256 rows (packed
+    v123; ms, the best against the first guess of 64-token tiles in 3 stages): 16-bit blocks of 256 rows (packed
     queries) keep 64-token tiles in 4 stages (cross 32x256 Lq32 Ld180 d1024 0.224 against 0.252, d768 0.180 against
     0.201; 128-dim chunks 0.289), 128-row blocks (long queries) 128-token tiles in 4 stages (8x64 Lq256 Ld512
     d1024 0.231 against 0.316), thin blocks 128-token tiles in 3 stages (candidates 32x100 Ld256 d1024 0.388
@@ -310,9 +310,12 @@ BACKWARD_NUM_WARPS = 4
 
 
 @lru_cache(maxsize=256)
-def backward_config(Lq: int, dim: int, candidates: bool = False, normalize: bool = False) -> BackwardConfig:
+def backward_config(
+    Lq: int, dim: int, candidates: bool = False, normalize: bool = False, fp32: bool = False
+) -> BackwardConfig:
     """``candidates``: every document is scored by one query, dense (per-query candidates, aligned pairs);
-    ``normalize``: owners of whole rows (up to 128 dims) chain their gradient through the normalization in place."""
+    ``normalize``: owners of whole rows (up to 128 dims) chain their gradient through the normalization in place;
+    ``fp32``: 4-byte tokens."""
     dim_p = max(16, next_pow2(dim))
     # 16 tokens per dQ program at dim 128: twice the programs of 32, which the gather's latency-bound walk needs
     # (H100, fwd_probe --backward: 256x256 Lq32 Ld300 backward 0.57 -> 0.48 ms, 64x64 Ld128 0.084 -> 0.061 ms).
@@ -326,9 +329,9 @@ def backward_config(Lq: int, dim: int, candidates: bool = False, normalize: bool
     # pair list's owners would scan its pair ids twice as often. With normalize, whole rows let the owner apply the
     # chain rule itself instead of writing an fp32 buffer for a pass afterwards.
     block_k = min(dim_p, CANDIDATE_OWNER_BLOCK_K if candidates and not normalize else 128)
-    if candidates and not normalize and dim_p > UNROLLED_MAX_DIM:
-        # Wide tokens: 256-dim blocks, a quarter of the programs each loading the query again (H200, .devdata sweep,
-        # docs/performance.md v102: pairs 256 Lq32 Ld300 d1024 backward 0.088 -> 0.066 ms in both modes; 128 dims
-        # 0.073).
+    if candidates and not normalize and dim_p > UNROLLED_MAX_DIM and not fp32:
+        # Wide 16-bit tokens: 256-dim blocks, a quarter of the programs each loading the query again (H200, .devdata
+        # sweep, docs/performance.md v125: pairs 256 Lq32 Ld300 d1024 backward 0.088 -> 0.066 ms in both modes; 128
+        # dims 0.073). fp32 blocks of 256 dims ask for 232 KB of shared memory at Lq 200 (237576 bytes on the H200).
         block_k = WIDE_CANDIDATE_OWNER_BLOCK_K
     return BackwardConfig(bt, dim_p, tq, OWNER_BLOCK_N, block_k, BACKWARD_NUM_WARPS)

@@ -157,7 +157,7 @@ def _backward_plan(
 ) -> BackwardPlan:
     Nq, Lq, Bd, K, Ld, dim = dims(Q, D, rg)
     shared = Bd == 1 and not sg.pairs
-    cfg = backward_config(Lq, dim, not shared and not sg.pairs, normalize)
+    cfg = backward_config(Lq, dim, not shared and not sg.pairs, normalize, Q.dtype == torch.float32)
     grad_stride = _grad_stride(grad)
     grad_contiguous = grad_stride is None
     grad_stride = 1 if grad_stride is None else grad_stride
