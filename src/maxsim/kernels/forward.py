@@ -4,8 +4,10 @@ A program owns ``BQ`` queries (``BQ * TQ`` rows of the MMA's M dimension) and on
 one listed pair). Where the tokens live — dense, packed with offsets, padded with lengths — is resolved by
 :mod:`.segments`; the loop below does not know the layout. It streams the
 document in ``BLOCK_N``-token tiles, keeps a running row max (and, for training, its argmax) in registers, and never
-writes the ``[Lq, Ld]`` similarity block anywhere. Packing several queries into M (only where they share the document,
-i.e. the cross product, ``Bd == 1``) lets one loaded document tile serve all of them. Queries longer than ``TQ`` rows
+writes the ``[Lq, Ld]`` similarity block anywhere. A tile's product unrolls its dim chunks (up to
+``UNROLLED_DIM_CHUNKS``, 256 dims); wider tokens run a pipelined loop over 64-dim chunks instead. Packing several
+queries into M (only where they share the document, i.e. the cross product, ``Bd == 1``) lets one loaded document
+tile serve all of them. Queries longer than ``TQ`` rows
 are split into ``TQ``-row blocks, one program each; their partial scores are summed afterwards in a fixed order
 (deterministic, no atomics). A launch of a handful of long documents may split each document's tokens over programs
 too (``DOC_SPLIT``), whose row maxima :mod:`.doc_chunks` folds.
