@@ -155,8 +155,10 @@ def _bf16_config(Lq: int, dim: int, Nq: int, shared_docs: bool) -> ForwardConfig
 # OutOfResources otherwise): a 768-dim block of 4 x 32 rows against 32-token tiles in 3 stages asked for 448 KB,
 # (128 + 96) x 2 KB; 64 rows against 16-token tiles in 3 stages 228 KB, 224 KB of blocks and tiles (found by
 # tests/test_cranfield.py's real 384-dim tokens, then tests/test_wide_tokens.py). The table fits it up to 256 dims
-# (at most 112 KB); wider tokens take fewer packed queries, then shorter tiles, then fewer stages, then fewer rows a
-# block. (fp32 tokens size their own blocks: see _fp32_config.)
+# (at most 112 KB), and the dim loop of wider tokens, a chunk of both a stage, at most 160 KB; fit_tiles would shrink
+# a configuration that did not (fewer packed queries, then shorter tiles, then fewer stages, then fewer rows a
+# block). fp32 tokens of at most 256 dims size their own blocks (see _fp32_config); tf32x3's split operands take more
+# than this count, so tests/test_kernel_front_end.py compiles the wide fp32 variants through ptxas.
 FORWARD_SHARED_BYTES = 216 << 10
 MIN_TILE_N, MIN_STAGES, MIN_TQ = 16, 2, 16
 # The widest tokens the kernels take, by bytes a value (wider ones run the PyTorch path: backend.choose_impl).
@@ -192,12 +194,7 @@ def _fp32_config(Lq: int, dim: int, Nq: int, shared_docs: bool) -> ForwardConfig
     427 / 442; three stages 1120 / 1166 and 561 / 576, 64-token tiles 920 / 1038), a single query's 32 rows
     against 64-token tiles in three stages (1x1000 Ld300 76 / 91, candidates 64x32 Ld180 93 / 118; 16-token tiles
     128 / 130 and 164 / 170, 128-token 211 / 205)."""
-    block_k, num_k = _dim_split(dim)
-    if num_k > 2:
-        # 257-512 dims: the split operands of the query block take shared memory beyond what forward_shared_bytes
-        # counts for 16-bit values (sm_90 compiles: 64 rows against 32-token tiles in 2 stages 352 KB), so 32-row
-        # blocks against 16-token tiles in 2 stages (H200: every layout, Lq 23 to 200, both backwards, exact).
-        return ForwardConfig(min(32, max(16, next_pow2(Lq))), 1, 16, block_k, num_k, 4, 2)
+    block_k, num_k = _dim_split(dim)  # (at most 2 chunks: wider tokens take _wide_config)
     TQ = min(64, max(16, next_pow2(Lq)))
     BQ = max(1, min(64 // TQ, next_pow2(Nq))) if shared_docs else 1
     if num_k > 1:
