@@ -75,6 +75,20 @@ def candidates(Lq: int, dim: int, Nq: int, shared: bool, quick: bool):
         yield ForwardConfig(tq, bq, bn, block_k, num_k, nw, ns)  # (Lq > tq: one program per row block)
 
 
+def time_configs(name: str, Q: torch.Tensor, D: torch.Tensor, need_arg: bool, cfgs: list) -> list:
+    """``[(ms, cfg)]`` of the forward of ``Q``, ``D`` at each configuration, fastest first; one that fails to
+    compile is reported and skipped."""
+    rows = []
+    for cfg in cfgs:
+        try:
+            ms = bench(lambda cfg=cfg: launch.forward(Q, D, None, None, False, need_arg, cfg=cfg))
+        except Exception as e:  # noqa: BLE001 - a config that fails to compile is just skipped
+            print(f"  {name}: {cfg} failed: {repr(e)[:120]}")
+            continue
+        rows.append((ms, cfg))
+    return sorted(rows, key=lambda r: r[0])
+
+
 def wide_candidates(Lq: int, dim: int, Nq: int, shared: bool, itemsize: int):
     """Dim-loop configurations: rows, tiles, chunk widths, stages (warps follow the rows) within shared memory."""
     tq = min(128, max(16, triton.next_power_of_2(Lq)))
@@ -135,15 +149,7 @@ def sweep_wide(only: str | None = None, jobs: int = 1) -> dict:
         Dx = D[0] if shared else D
         eager = bench(lambda: torch.einsum(eq, Q, Dx).amax(-1).sum(-1))
         default = cfgs[0]
-        rows = []
-        for cfg in cfgs:
-            try:
-                ms = bench(lambda cfg=cfg: launch.forward(Q, D, None, None, False, need_arg, cfg=cfg))
-            except Exception as e:  # noqa: BLE001 - a config that fails to compile is just skipped
-                print(f"  {name}: {cfg} failed: {repr(e)[:120]}")
-                continue
-            rows.append((ms, cfg))
-        rows.sort(key=lambda r: r[0])
+        rows = time_configs(name, Q, D, need_arg, cfgs)
         d_ms = next((ms for ms, c in rows if c == default), float("nan"))
         print(f"{name}: eager {eager:.4f} ms, default {d_ms:.4f} ms {default}", flush=True)
         for ms, cfg in rows[:6]:
@@ -161,15 +167,7 @@ def sweep_forward(quick: bool, only: str | None = None) -> dict:
         Q = torch.randn(Nq, Lq, dim, device="cuda", dtype=torch.bfloat16)
         D = torch.randn(1 if shared else Nq, K, Ld, dim, device="cuda", dtype=torch.bfloat16)
         default = forward_config(Lq, dim, Nq, shared)
-        rows = []
-        for cfg in [default, *candidates(Lq, dim, Nq, shared, quick)]:
-            try:
-                ms = bench(lambda cfg=cfg: launch.forward(Q, D, None, None, False, need_arg, cfg=cfg))
-            except Exception as e:  # noqa: BLE001 - a config that fails to compile is just skipped
-                print(f"  {name}: {cfg} failed: {repr(e)[:120]}")
-                continue
-            rows.append((ms, cfg))
-        rows.sort(key=lambda r: r[0])
+        rows = time_configs(name, Q, D, need_arg, [default, *candidates(Lq, dim, Nq, shared, quick)])
         d_ms = next(ms for ms, c in rows if c == default)
         print(f"{name}: default {d_ms:.4f} ms {default}")
         for ms, cfg in rows[:4]:
