@@ -78,8 +78,11 @@ def _wide_config(Lq: int, dim: int, Nq: int, shared_docs: bool, itemsize: int) -
     v123; ms, the best against the first guess of 64-token tiles in 3 stages): 16-bit blocks of 256 rows (packed
     queries) keep 64-token tiles in 4 stages (cross 32x256 Lq32 Ld180 d1024 0.224 against 0.252, d768 0.180 against
     0.201; 128-dim chunks 0.289), 128-row blocks (long queries) 128-token tiles in 4 stages (8x64 Lq256 Ld512
-    d1024 0.231 against 0.316), thin blocks 128-token tiles in 3 stages (candidates 32x100 Ld256 d1024 0.388
-    against 0.411; 1x1000 Ld512 0.254, 128-dim chunks 0.246). fp32 tokens (``tf32x3``: split operands) take blocks
+    d1024 0.231 against 0.316). Thin blocks (memory-bound scans) take 64-token tiles in 4 stages: a document's last
+    tile runs whole however few tokens it holds, and 128-token tiles left a 300-token document 22 % of empty slots
+    (v126: 1x1000 Ld300 d768 0.142 -> 0.124, Ld300 d1024 0.183 -> 0.159, Ld180 d768 0.097 -> 0.081, candidates
+    32x100 Ld180 d768 0.265 -> 0.228; where 128-token tiles fill, even: 1x1000 Ld512 d1024 0.253 -> 0.252,
+    candidates 32x100 Ld256 d1024 0.389 -> 0.391). fp32 tokens (``tf32x3``: split operands) take blocks
     of at most 128 rows against 64-token tiles in 3 stages (cross 32x256 Lq32 Ld180 d384: 128 rows 0.564, 64 rows
     against 32-token tiles 0.805; candidates 32x16 Ld256 d512 0.133 against 0.241)."""
     num_k = -(-dim // WIDE_BLOCK_K)
@@ -92,9 +95,7 @@ def _wide_config(Lq: int, dim: int, Nq: int, shared_docs: bool, itemsize: int) -
     warps = 8 if rows >= 128 else 4
     if itemsize == 4:
         return ForwardConfig(TQ, BQ, 64, WIDE_BLOCK_K, num_k, warps, 3)
-    if rows >= 256:
-        return ForwardConfig(TQ, BQ, 64, WIDE_BLOCK_K, num_k, warps, 4)
-    return ForwardConfig(TQ, BQ, 128, WIDE_BLOCK_K, num_k, warps, 4 if rows >= 128 else 3)
+    return ForwardConfig(TQ, BQ, 128 if rows == 128 else 64, WIDE_BLOCK_K, num_k, warps, 4)
 
 
 @lru_cache(maxsize=256)
