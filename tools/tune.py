@@ -51,6 +51,9 @@ WIDE_SHAPES = {
     "cross 1x1000 Lq32 Ld180 d768": (1, 1000, 32, 180, 768, True, False, torch.bfloat16),
     "cand B32 K100 Lq32 Ld180 d768": (32, 100, 32, 180, 768, False, False, torch.bfloat16),
     "cross 8x64 Lq256 Ld512 d1024": (8, 64, 256, 512, 1024, True, False, torch.bfloat16),
+    "cross 128x128 Lq32 Ld300 d384": (128, 128, 32, 300, 384, True, False, torch.bfloat16),
+    "train-fwd cross 128x128 Lq32 Ld180 d384": (128, 128, 32, 180, 384, True, True, torch.bfloat16),
+    "cross 32x256 Lq32 Ld180 d512": (32, 256, 32, 180, 512, True, False, torch.bfloat16),
     "cross 32x256 Lq32 Ld180 d384 fp32": (32, 256, 32, 180, 384, True, False, torch.float32),
     "train-fwd cand B32 K16 Lq32 Ld256 d512 fp32": (32, 16, 32, 256, 512, False, True, torch.float32),
 }
