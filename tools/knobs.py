@@ -18,7 +18,7 @@ import statistics
 
 import torch
 from ab_steps import _scorers  # tools/ is on sys.path when this runs as a script
-from offmatrix import OFF_MATRIX
+from offmatrix import OFF_MATRIX, WIDE
 from probe_common import kernel_table
 from triton.testing import do_bench
 
@@ -80,7 +80,7 @@ def main() -> None:
     defaults = {n: getattr(*_owner(n)) for n in names}
     dev, dt = torch.device("cuda"), torch.bfloat16
     impl = MaxsimImpl(*_scorers(maxsim, True)) if args.normalize else MaxsimImpl()
-    for w in select(mode=args.mode, only=args.patterns or None, table=WORKLOADS + OFF_MATRIX):
+    for w in select(mode=args.mode, only=args.patterns or None, table=WORKLOADS + OFF_MATRIX + WIDE):
         inp = make_inputs(w, dev, dt, seed_of(w))
         if w.layout in RAGGED_LAYOUTS:
             fn, operands = impl.prepare_ragged(w, inp, dev, dt)

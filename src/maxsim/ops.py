@@ -439,9 +439,13 @@ class _FirstOrderOnly(torch.autograd.Function):
     be silently dropped; through these copies it raises instead."""
 
     @staticmethod
-    def forward(ctx, dQ, dD, *depends_on):
+    def forward(dQ, dD, *depends_on):
         # (depends_on: the forward's inputs and the upstream gradient, the edges a second-order term would follow)
         return dQ.clone(), dD.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # (this form: a Function that torch.func transforms may also run)
+        pass
 
     @staticmethod
     def backward(ctx, *_grads):
@@ -500,6 +504,77 @@ class _MaxSimFunction(torch.autograd.Function):
         return dQ, dD, None
 
 
+class _TransformedFunction(torch.autograd.Function):
+    """:class:`_MaxSimFunction` for a call under a ``torch.func`` transform that differentiates it (``grad``,
+    ``grad_and_value``, ``vjp``), which needs the ``setup_context`` form. ``apply(Q, D, call)`` on canonical tensors,
+    ``call = (q_mask, d_mask, normalize, impl, deterministic, rg)``. The transform hands the forward plain tensors
+    (what the kernels read); the backward runs at the transform's level, on its wrapped tensors: the PyTorch path's
+    backward there (its ops are transformed like any others: differentiable again), the Triton path's kernels on the
+    plain tensors beneath (:func:`_peeled`; differentiable once). No ``vmap`` rule (``torch.func.vmap`` of a
+    gradient, ``jacrev``): PyTorch refuses those by name."""
+
+    @staticmethod
+    def forward(Q, D, call):
+        q_mask, d_mask, normalize, impl, _deterministic, rg = call
+        scores, argmax, _kept = forward_impl(Q, D, q_mask, d_mask, normalize, True, impl, rg)
+        return scores, argmax
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        Q, D, call = inputs
+        ctx.save_for_backward(Q, D, output[1])
+        ctx.call = call[2:]
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    def backward(ctx, grad_scores, _grad_argmax):
+        if grad_scores is None:
+            return None, None, None
+        Q, D, argmax = ctx.saved_tensors
+        normalize, impl, deterministic, rg = ctx.call
+        if impl != "triton":
+            return (*backward_impl(grad_scores, Q, D, argmax, normalize, deterministic, impl, rg), None)
+        grad_scores, Q, D, argmax = (_peeled(x) for x in (grad_scores, Q, D, argmax))
+        if rg is not None:  # (offsets or lengths derived inside the transform are its tensors too)
+            rg = Ragged(*(_peeled(x) if isinstance(x, Tensor) else x for x in rg))
+        with torch._C._DisableFuncTorch():  # (else the transform would wrap the buffers the launches allocate)
+            dQ, dD = backward_impl(grad_scores, Q, D, argmax, normalize, deterministic, impl, rg)
+        if grad_scores.requires_grad or Q.requires_grad or D.requires_grad:
+            # (tensors that regular autograd follows around the transform: a second-order term through these
+            # gradients raises instead of being dropped, as in eager calls)
+            dQ, dD = _FirstOrderOnly.apply(dQ, dD, grad_scores, Q, D)
+        return dQ, dD, None  # (plain tensors: the transform lifts them to its level)
+
+
+def _peeled(x: Tensor) -> Tensor:
+    """The plain tensor under the wrapper of the one ``torch.func`` level that differentiates a call of the Triton
+    path (the kernels read storage); a second level beneath (a transform of a transform: a second-order gradient)
+    is refused."""
+    if not torch._C._functorch.is_functorch_wrapped_tensor(x):
+        return x
+    x = torch._C._functorch.get_unwrapped(x)
+    if torch._C._functorch.is_functorch_wrapped_tensor(x):
+        raise RuntimeError(
+            "maxsim: the Triton path's gradients are not differentiable (a torch.func transform of a gradient of "
+            "maxsim, such as torch.func.grad of torch.func.grad); the PyTorch path supports them: call under "
+            "maxsim.backend('torch')"
+        )
+    return x
+
+
+def _transformed(
+    Q: Tensor, D: Tensor, q_mask: Tensor | None, d_mask: Tensor | None, normalize: bool, impl: str, deterministic: bool,
+    rg: Ragged | None, views: Views | None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Scores and argmax of a differentiated call under a ``torch.func`` transform (:class:`_TransformedFunction`),
+    in the caller's shapes: the canonical views are taken outside the Function, where the transform tracks them."""
+    if views is not None:
+        Q, D = _in_views(Q, D, views)
+    scores, argmax = _TransformedFunction.apply(Q, D, (q_mask, d_mask, normalize, impl, deterministic, rg))
+    return (scores, argmax) if views is None else _out_views(scores, argmax, views)
+
+
 class _RepeatedStep(torch.autograd.Function):
     """A repeated training call of the Triton path (:func:`repeat_key`): ``apply(Q, D, step, masks)`` -> the scores,
     with ``step`` the :class:`maxsim.kernels.launch.StepPlan` an earlier call of the signature filed and ``masks``
@@ -552,6 +627,9 @@ def maxsim_canonical(
     (``[..., Lq]`` for the argmax)."""
     need_grad = torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)
     compiling = torch.compiler.is_compiling()
+    if need_grad and not compiling and _functorch_level() is not None:
+        out = _transformed(Q, D, q_mask, d_mask, normalize, impl, deterministic, rg, views)
+        return (out[0], out[1].to(torch.int32)) if return_argmax else out[0]
     if need_grad and not compiling:
         out = _MaxSimFunction.apply(Q, D, (q_mask, d_mask, normalize, impl, deterministic, rg, views, return_argmax))
         # (contiguous: the PyTorch path's step keeps its argmax in its own order)
