@@ -17,7 +17,7 @@ from helpers import check_parity, make_inputs, randn, triton_usable
 import maxsim
 from maxsim import reference
 from maxsim.backend import choose_impl
-from maxsim.kernels import configs
+from maxsim.kernels import configs, launch_backward, launch_settings
 
 
 @pytest.mark.parametrize("fp32", [False, True])
@@ -99,6 +99,23 @@ def test_the_dim_loop_matches_the_reference(dtype, dim, lq, layout, device):
     with maxsim.backend("triton"):
         check_parity(inputs)
         check_parity(inputs, normalize=True, backward="deterministic")
+
+
+@pytest.mark.parametrize(("dtype", "dim"), [(torch.bfloat16, 300), (torch.float32, 384)])
+def test_the_wide_atomics_take_their_own_token_blocks(dtype, dim, monkeypatch, device):
+    """The fast cross product's dQ gather and dD atomics of wide tokens in blocks of WIDE_ATOMICS_BT query tokens
+    (the owners forced off, as beyond their bound): a query of 23 tokens in 6 blocks, masks with holes."""
+    if not triton_usable(device):
+        pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
+    monkeypatch.setattr(launch_settings, "SHARED_OWNER_MAX_WORK", 0)
+    monkeypatch.setattr(launch_settings, "SHARED_OWNER_MAX_ROWS", 0)
+    inputs = make_inputs("cross", 3, 2, 23, 70, dim, dtype=dtype, device=device, seed=dim + 1, masks="holes")
+    launch_backward.plans.clear()
+    with maxsim.backend("triton"):
+        check_parity(inputs, backward="fast")
+    plans = list(launch_backward.plans.values())
+    assert plans and all(p.main[2]["BT"] == launch_settings.WIDE_ATOMICS_BT < 16 for p in plans)
+    assert all(p.main[2]["DD_SCATTER"] or p.dd_sc is not None for p in plans)  # (the atomics, not an owner)
 
 
 @pytest.mark.cuda

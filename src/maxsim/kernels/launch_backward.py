@@ -7,6 +7,7 @@ normalization in those programs where they hold whole rows, else in one launch a
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -18,7 +19,7 @@ from . import dd_chunks, dd_gather, device_info, slices
 from . import launch_settings as settings
 from . import normalize as normalize_kernels
 from .backward import maxsim_bwd_kernel, maxsim_bwd_scatter_kernel
-from .configs import BackwardConfig, backward_config
+from .configs import BackwardConfig, backward_config, wide
 from .dd_chunks import chunk_plan, chunk_steps
 from .launch_args import (
     DENSE,
@@ -158,6 +159,16 @@ def _backward_plan(
     Nq, Lq, Bd, K, Ld, dim = dims(Q, D, rg)
     shared = Bd == 1 and not sg.pairs
     cfg = backward_config(Lq, dim, not shared and not sg.pairs, normalize, Q.dtype == torch.float32)
+    # dD: documents scored by one query each (candidates) and pair lists take the owner programs, which are then also
+    # the fastest (no zeroed fp32 buffer, no atomics, no cast); so does the cross product up to a size (beyond it,
+    # atomics, or where asked to be deterministic the owner, and from SORTED_DD_MIN_LINKS on the sorted gather).
+    owned_small = shared and shared_owned(Nq, Lq, K, Ld, dim, cfg)
+    n_links = Nq * K * Lq
+    dense = sg.q_kind == DENSE and sg.d_kind == DENSE
+    sorted_dd = deterministic and shared and dense and not owned_small and n_links >= settings.SORTED_DD_MIN_LINKS
+    dd_owned = not sorted_dd and (deterministic or not shared or owned_small)
+    if shared and not dd_owned and not sorted_dd and wide(dim):
+        cfg = replace(cfg, BT=settings.WIDE_ATOMICS_BT)  # (see there)
     grad_stride = _grad_stride(grad)
     grad_contiguous = grad_stride is None
     grad_stride = 1 if grad_stride is None else grad_stride
@@ -195,14 +206,6 @@ def _backward_plan(
     n_dq = 0 if dq_scatter else n_queries * n_tb * dq_splits
     dq_sc = scatter(True, q_fresh, document_strides(D, shared)) if dq_scatter else None
 
-    # dD: documents scored by one query each (candidates) and pair lists take the owner programs, which are then also
-    # the fastest (no zeroed fp32 buffer, no atomics, no cast); so does the cross product up to a size (beyond it,
-    # atomics, or where asked to be deterministic the owner, and from SORTED_DD_MIN_LINKS on the sorted gather).
-    owned_small = shared and shared_owned(Nq, Lq, K, Ld, dim, cfg)
-    n_links = Nq * K * Lq
-    dense = sg.q_kind == DENSE and sg.d_kind == DENSE
-    sorted_dd = deterministic and shared and dense and not owned_small and n_links >= settings.SORTED_DD_MIN_LINKS
-    dd_owned = not sorted_dd and (deterministic or not shared or owned_small)
     n_jb = cdiv(Ld, cfg.BN)
     n_kb = cdiv(dim, cfg.BLOCK_K)
     n_owned = n_docs if sg.d_kind == OFFSETS else Bd * K
@@ -387,6 +390,7 @@ def backward_plan_of(
         settings.DQ_SPLIT_PROGRAMS_PER_SM, settings.SHARED_OWNER_MAX_WORK, settings.SHARED_OWNER_MAX_ROWS,
         settings.FUSED_SCATTER, settings.SCATTER_BUFFER_MAX_BYTES, settings.SCATTER_CHUNK_BYTES,
         settings.SCATTER_CHUNK_MIN_LINKS, settings.SCATTER_DOCS, settings.SORTED_DD_MIN_LINKS, settings.SORTED_DD_WARPS,
+        settings.WIDE_ATOMICS_BT,
         dd_gather.CHUNK,
     )  # fmt: skip
     plan = plans.get(key)

@@ -56,6 +56,16 @@ SCATTER_BUFFER_MAX_BYTES = 32 << 20
 # 22.2 us, 256x256 Ld300 (with the first chunk) 213.6 -> 145.6 -> 148.2 -> 148.9 us; 32x32 Lq1024 Ld1024 unchanged
 # (174.4 -> 173.4 -> 172.6 -> 171.8 us).
 SCATTER_DOCS = 2
+# Query tokens a program of the fast cross product's dQ gather and dD atomics takes (BackwardConfig.BT) for tokens of
+# more than configs.UNROLLED_MAX_DIM dims: a block of 4 rows of up to 1024 dims instead of 16 (configs.backward_config,
+# at most 2048 // padded dim, 16 at least), the atomics' programs 182 registers at 512 padded dims with 16 (ptxas).
+# H200, backward GPU time, .devdata sweep (docs/performance.md v128), BT 16 -> 8 -> 4, ms: cross 128x128 Lq32 Ld180
+# d384 0.413 -> 0.365 -> 0.336, 64x64 Ld300 d768 0.311 -> 0.248 -> 0.225, 32x32 Ld180 d1024 0.114 -> 0.071 -> 0.065,
+# 8x64 Lq256 Ld512 d1024 0.524 -> 0.455 -> 0.420, fp32 32x32 Ld180 d384 0.058 -> 0.043 -> 0.032, fp32 64x64 Lq200
+# Ld300 d512 0.868 -> 0.704 -> 0.658. Not where owners take dD: the deterministic backward was mixed at 4 (0.83x fp32
+# Lq200 d512, 0.90x d384, but 1.03-1.11x d768, d1024, long queries, fp32 d384), candidates and pairs slower (1.07x;
+# fp32 candidates 0.88x, not taken); nor at 256 dims and fewer (dim 128, 256x256 Ld300: 0.425 -> 0.447 -> 0.582).
+WIDE_ATOMICS_BT = 4
 SCATTER_CHUNK_BYTES = 3 << 20
 SCATTER_CHUNK_MIN_LINKS = 1 << 17
 # A dQ gather of few programs over many pairs each (few queries against many documents or candidates: cross 1x1000
