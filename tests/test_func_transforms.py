@@ -102,3 +102,33 @@ def test_vmap_of_a_gradient_is_refused_by_name():
     name, fn, _ref, Q, D, kw = _cases("cpu", torch.float64)[0]
     with maxsim.backend("torch"), pytest.raises(RuntimeError, match="vmap"):
         torch.func.vmap(torch.func.grad(lambda q: fn(q, D).sum()))(torch.stack([Q, 2 * Q]))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_masks_and_offsets_made_inside_the_transform(backend, device):
+    """A document mask and packed offsets computed inside the transformed function (the transform's own tensors)."""
+    if backend == "triton" and not triton_usable(device):
+        pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    g = torch.Generator().manual_seed(5)
+    Q = torch.randn(3, 4, 16, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+    D = torch.randn(5, 6, 16, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+    D[1, 4:] = 0
+    Qp, Dp = Q.reshape(12, 16), D.reshape(30, 16)
+    lq, ld = torch.tensor([3, 5, 4], device=device), torch.tensor([6, 1, 9, 4, 10], device=device)
+
+    def masked(q, d):
+        return (maxsim.maxsim(q, d, d_mask=d.abs().sum(-1) > 0) ** 2).sum()
+
+    def packed(q, d):
+        cu_q = torch.nn.functional.pad(lq.cumsum(0), (1, 0)).int() + (q.sum() * 0).int()
+        cu_d = torch.nn.functional.pad(ld.cumsum(0), (1, 0)).int()
+        return (maxsim.maxsim_varlen(q, d, cu_q, cu_d, max_seqlen_q=5, max_seqlen_d=10) ** 2).sum()
+
+    with maxsim.backend(backend):
+        for loss, q, d in ((masked, Q, D), (packed, Qp, Dp)):
+            got = torch.func.grad(loss, argnums=(0, 1))(q, d)
+            qg, dg = q.clone().requires_grad_(), d.clone().requires_grad_()
+            want = torch.autograd.grad(loss(qg, dg), (qg, dg))
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
