@@ -4,7 +4,8 @@
 CUDA events (median), times the backward pieces separately, and measures the host overhead of each API layer. It
 prints what it finds and writes ``$OUT/tune.json`` (or ``./tune.json``); the winners are then written by hand into
 the heuristic in ``maxsim/kernels/configs.py`` (keyed by coarse shape buckets). ``--wide [--jobs N]`` sweeps the
-dim loop of tokens wider than 256 dims instead (``WIDE_SHAPES``; N processes compile the variants first).
+dim loop of tokens wider than 256 dims instead (``WIDE_SHAPES``; N processes compile the variants first);
+``--wide-backward`` the query tokens a block of the wide cross products' fast backward (``WIDE_BACKWARD_SHAPES``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from host_profile import host_us  # tools/ is on sys.path when this runs as a sc
 
 import maxsim
 from maxsim import ops
-from maxsim.kernels import configs, launch
+from maxsim.kernels import configs, launch, launch_settings
 from maxsim.kernels.configs import ForwardConfig, forward_config
 
 SHAPES = {
@@ -166,6 +167,45 @@ def sweep_wide(only: str | None = None, jobs: int = 1) -> dict:
     return results
 
 
+#: name: (Nq, K, Lq, Ld, dim, dtype) of wide cross products whose fast backward adds dD by atomics (beyond the owners'
+#: bound), for the sweep of ``launch_settings.WIDE_ATOMICS_BT`` (docs/performance.md v128).
+WIDE_BACKWARD_SHAPES = {
+    "cross 128x128 Lq32 Ld180 d384": (128, 128, 32, 180, 384, torch.bfloat16),
+    "cross 64x64 Lq32 Ld300 d768": (64, 64, 32, 300, 768, torch.bfloat16),
+    "cross 32x32 Lq32 Ld180 d1024": (32, 32, 32, 180, 1024, torch.bfloat16),
+    "cross 8x64 Lq256 Ld512 d1024": (8, 64, 256, 512, 1024, torch.bfloat16),
+    "cross 32x32 Lq32 Ld180 d384 fp32": (32, 32, 32, 180, 384, torch.float32),
+    "cross 64x64 Lq200 Ld300 d512 fp32": (64, 64, 200, 300, 512, torch.float32),
+}
+
+
+def sweep_wide_backward(only: str | None = None, blocks: tuple[int, ...] = (16, 8, 4)) -> dict:
+    """The fast backward of each wide cross product (:data:`WIDE_BACKWARD_SHAPES`) with ``WIDE_ATOMICS_BT`` query
+    tokens a program of its dQ gather and dD atomics, ms (the setting is in the backward plan's key)."""
+    results = {}
+    default = launch_settings.WIDE_ATOMICS_BT
+    for name, (Nq, K, Lq, Ld, dim, dtype) in WIDE_BACKWARD_SHAPES.items():
+        if only and not any(part in name for part in only.split(",")):
+            continue
+        Q = torch.randn(Nq, Lq, dim, device="cuda", dtype=dtype)
+        D = torch.randn(1, K, Ld, dim, device="cuda", dtype=dtype)
+        _, arg = launch.forward(Q, D, None, None, False, True)
+        g = torch.randn(Nq, K, device="cuda")
+        row = {}
+        try:
+            for bt in blocks:
+                launch_settings.WIDE_ATOMICS_BT = bt
+                row[bt] = bench(lambda Q=Q, D=D, arg=arg: launch.backward(g, Q, D, arg, False, False))
+        finally:
+            launch_settings.WIDE_ATOMICS_BT = default
+        times = ", ".join(f"{b}: {ms:.4f}" for b, ms in row.items())
+        print(f"{name}: fast backward ms by query tokens a block {times}", flush=True)
+        results[name] = row
+        del Q, D, arg
+        torch.cuda.empty_cache()
+    return results
+
+
 def sweep_forward(quick: bool, only: str | None = None) -> dict:
     results = {}
     for name, (Nq, K, Lq, Ld, dim, shared, need_arg) in SHAPES.items():
@@ -241,6 +281,8 @@ def main() -> None:
     ap.add_argument("--shapes", help="comma-separated substrings of shape names to sweep")
     ap.add_argument("--wide", action="store_true", help="sweep the dim loop's shapes (WIDE_SHAPES) instead")
     ap.add_argument("--jobs", type=int, default=1, help="processes that compile the wide sweep's variants first")
+    ap.add_argument("--wide-backward", action="store_true",
+                    help="sweep the wide cross products' atomics blocks (WIDE_BACKWARD_SHAPES) instead")  # fmt: skip
     a = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
     out = {"device": torch.cuda.get_device_name()}
@@ -251,7 +293,9 @@ def main() -> None:
     out["host_us"] = host_overhead()
     if not a.skip_backward:
         out["backward"] = backward_pieces()
-    if a.wide:
+    if a.wide_backward:
+        out["wide_backward"] = sweep_wide_backward(a.shapes)
+    elif a.wide:
         out["wide"] = sweep_wide(a.shapes, a.jobs)
     elif not a.skip_sweep:
         out["forward"] = sweep_forward(a.quick, a.shapes)
