@@ -104,7 +104,7 @@ def test_the_dim_loop_matches_the_reference(dtype, dim, lq, layout, device):
 @pytest.mark.parametrize(("dtype", "dim"), [(torch.bfloat16, 300), (torch.float32, 384)])
 def test_the_wide_atomics_take_their_own_token_blocks(dtype, dim, monkeypatch, device):
     """The fast cross product's dQ gather and dD atomics of wide tokens in blocks of WIDE_ATOMICS_BT query tokens
-    (the owners forced off, as beyond their bound): a query of 23 tokens in 6 blocks, masks with holes."""
+    (the owners forced off, as beyond their bound): a query of 23 tokens in 6 blocks, masks with holes; packed."""
     if not triton_usable(device):
         pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
     monkeypatch.setattr(launch_settings, "SHARED_OWNER_MAX_WORK", 0)
@@ -113,8 +113,24 @@ def test_the_wide_atomics_take_their_own_token_blocks(dtype, dim, monkeypatch, d
     launch_backward.plans.clear()
     with maxsim.backend("triton"):
         check_parity(inputs, backward="fast")
+    # A varlen cross product (packed tokens, documents by offsets) takes them too.
+    cu_q = torch.tensor([0, 9, 10, 33], dtype=torch.int32, device=device)
+    cu_d = torch.tensor([0, 40, 41, 70, 70, 95], dtype=torch.int32, device=device)
+    Qp = randn((33, dim), seed=dim + 2, dtype=dtype, device=device).requires_grad_()
+    Dp = randn((95, dim), seed=dim + 3, dtype=dtype, device=device).requires_grad_()
+    w = randn((3, 5), seed=dim + 4, device=device)
+    with maxsim.backend("triton"):
+        s = maxsim.maxsim_varlen(Qp, Dp, cu_q, cu_d, max_seqlen_q=23, max_seqlen_d=40, backward="fast")
+        dQ, dD = torch.autograd.grad((s * w).sum(), (Qp, Dp))
+    Qr, Dr = (x.detach().double().requires_grad_() for x in (Qp, Dp))
+    r = reference.maxsim_varlen(Qr, Dr, cu_q, cu_d)
+    rdQ, rdD = torch.autograd.grad((r * w.double()).sum(), (Qr, Dr))
+    tol = 2e-2 if dtype != torch.float32 else 1e-4
+    torch.testing.assert_close(s.double(), r, rtol=tol, atol=tol)
+    torch.testing.assert_close(dQ.double(), rdQ, rtol=tol, atol=tol)
+    torch.testing.assert_close(dD.double(), rdD, rtol=tol, atol=tol)
     plans = list(launch_backward.plans.values())
-    assert plans and all(p.main[2]["BT"] == launch_settings.WIDE_ATOMICS_BT < 16 for p in plans)
+    assert len(plans) == 2 and all(p.main[2]["BT"] == launch_settings.WIDE_ATOMICS_BT < 16 for p in plans)
     assert all(p.main[2]["DD_SCATTER"] or p.dd_sc is not None for p in plans)  # (the atomics, not an owner)
 
 
