@@ -4,7 +4,10 @@ machine starts with cold Triton caches: compiling is CPU work, so shards on 16 c
     python tools/gpu_pytest.py --shards 6 --out $OUT/pytest [--gpus 2] [-- extra pytest args, e.g. -k normalize]
 
 Tests are collected once and dealt round-robin, so every shard gets a share of each file. Each shard writes
-``shard<i>.log``; the exit status is nonzero when any shard fails, errors, times out or collects nothing. Failures
+``shard<i>.log`` (and its test ids, ``shard<i>.ids``), removed when the shard passes unless ``--keep-logs``: the device
+tool returns a limited number of files from ``$OUT``, and a call that also runs a benchmark needs its results back;
+the summary of every shard is printed. The exit status is nonzero when any shard fails, errors, times out or
+collects nothing. Failures
 are then run once more on their own (a host-timed test can fail only because the shards share the CPUs), and that
 result is printed too. With ``--gpus N`` shard ``i`` sees GPU ``i % N`` only (``CUDA_VISIBLE_DEVICES``), so the tests
 that need two GPUs skip there: run ``tests/test_multi_gpu.py`` on its own.
@@ -38,6 +41,7 @@ def main() -> int:
     parser.add_argument("--only", type=int, default=None, help="run this shard only (a rerun of a failed one)")
     parser.add_argument("--timeout", type=float, default=540.0, help="seconds before unfinished shards are killed")
     parser.add_argument("--gpus", type=int, default=1, help="deal the shards over this many GPUs")
+    parser.add_argument("--keep-logs", action="store_true", help="keep the logs of shards that passed too")
     parser.add_argument("pytest_args", nargs="*", help="after --: passed to pytest (selection only)")
     args = parser.parse_args()
 
@@ -78,6 +82,9 @@ def main() -> int:
                 # (a test id may hold spaces: "FAILED tests/x.py::t[a, b] - message")
                 failed.append(line.split(" ", 1)[1].split(" - ", 1)[0])
         worst = max(worst, rc)
+        if rc == 0 and not args.keep_logs:
+            for name in (f"shard{i}.log", f"shard{i}.ids"):
+                (args.out / name).unlink(missing_ok=True)
     if failed and worst == 1:
         # Tests that time the host (the CLI's two-minute budget) can fail only because the shards share the CPUs:
         # run the failures once more on their own and say so. The exit status still reports the first result.
