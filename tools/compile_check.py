@@ -205,6 +205,11 @@ def main() -> None:
                             launch_forward.plans.clear()
                             s, a = launch.forward(Q, D, qm, dm, normalize, True)
                             launch.forward(Q, D, qm, dm, normalize, False)
+                            if D.shape[0] == 1:  # 64 queries against shared documents: packed rows (PACK_ROWS)
+                                Qp = torch.randn(64, lq, dim, dtype=dt)
+                                qmp = torch.ones(Qp.shape[:2], dtype=torch.bool) if masks else None
+                                launch.forward(Qp, D, qmp, dm, normalize, True)
+                                launch.forward(Qp, D, qmp, dm, normalize, False)
                         # few programs against long documents: chunked, and thin blocks deep-pipelined
                         few = launch_settings.DEEP_PIPELINE_MIN_LD, launch_settings.DOC_SPLIT_MIN_TILES
                         (

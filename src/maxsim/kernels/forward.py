@@ -234,12 +234,12 @@ def _finish_rows(
 
 @triton.jit
 def _query_block(
-    t0, r, q_in, q_len, r_hi, q_out, QM, sqm_n, sqm_l, q_base, sq_l, dim,
-    TQ: tl.constexpr, BLOCK_K: tl.constexpr, HAS_QMASK: tl.constexpr, UPCAST: tl.constexpr,
+    t0, tok, q_in, q_len, r_hi, q_out, QM, sqm_n, sqm_l, q_base, sq_l, dim,
+    BLOCK_K: tl.constexpr, HAS_QMASK: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    """The packed rows ``t0 .. t0 + TQ`` of a program's queries: ``(token index t, row_ok, row pointers, first
-    dim chunk [rows, BLOCK_K])``."""
-    t = t0 + r % TQ
+    """The rows ``t0 + tok`` of a program's queries (``tok [rows]``: each row's token within its query's slot):
+    ``(token index t, row_ok, row pointers, first dim chunk [rows, BLOCK_K])``."""
+    t = t0 + tok
     row_ok = q_in & (t < q_len) & (t < r_hi)
     if HAS_QMASK:
         row_ok = row_ok & (tl.load(QM + q_out * sqm_n + t * sqm_l, mask=row_ok, other=0) != 0)
@@ -248,8 +248,19 @@ def _query_block(
 
 
 @triton.jit
+def _slot_sums(v, slot, SLOTS: tl.constexpr, TQ: tl.constexpr, PACKED: tl.constexpr):
+    """``[SLOTS]``: the sum of ``v [rows]`` over each query slot's rows (``slot [rows]``); without ``PACKED`` the
+    slots are consecutive ``TQ``-row blocks."""
+    if PACKED:
+        own = slot[:, None] == tl.arange(0, SLOTS)[None, :]
+        return tl.sum(tl.where(own, v[:, None], tl.zeros_like(v)[:, None]), axis=0)
+    else:
+        return tl.sum(tl.reshape(v, [SLOTS, TQ]), axis=1)
+
+
+@triton.jit
 def _row_block(
-    t0, r, q_in, q_len, r_hi, q_out, QM, sqm_n, sqm_l, q_base, sq_l, iq_base, siq_l, d_base, dm_doc, inv_doc, d_len,
+    t0, tok, q_in, q_len, r_hi, q_out, QM, sqm_n, sqm_l, q_base, sq_l, iq_base, siq_l, d_base, dm_doc, inv_doc, d_len,
     dim, sd_l, sdm_l, sid_l,
     TQ: tl.constexpr, BQ: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
     HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr, NORMALIZE: tl.constexpr, NORMS_GIVEN: tl.constexpr,
@@ -260,7 +271,7 @@ def _row_block(
     [rows] (0 where a row is not live), argmax [rows] (-1 there; unset without SAVE_ARGMAX), live [rows])``."""
     BLOCK_M: tl.constexpr = BQ * TQ
     t, row_ok, q_rows, qt = _query_block(
-        t0, r, q_in, q_len, r_hi, q_out, QM, sqm_n, sqm_l, q_base, sq_l, dim, TQ, BLOCK_K, HAS_QMASK, UPCAST
+        t0, tok, q_in, q_len, r_hi, q_out, QM, sqm_n, sqm_l, q_base, sq_l, dim, BLOCK_K, HAS_QMASK, UPCAST
     )
     # Running max per (row, column slot) across tiles: one max (and one select for the argmax) per element
     # per tile; the cross-lane row reduction happens once per row block instead of once per tile.
@@ -317,7 +328,7 @@ def maxsim_fwd_kernel(
     Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr,
     HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr, NORMALIZE: tl.constexpr, SAVE_ARGMAX: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PERSIST: tl.constexpr, NORMS_GIVEN: tl.constexpr,
-    EARLY_NORMS: tl.constexpr, STREAM_D: tl.constexpr, DOC_SPLIT: tl.constexpr,
+    EARLY_NORMS: tl.constexpr, STREAM_D: tl.constexpr, DOC_SPLIT: tl.constexpr, PACKED: tl.constexpr,
 ):  # fmt: skip
     """Scores ``OUT [n_rsplit, Nq, K]`` and argmax ``ARG [Nq, K, Lq]``; a pair list runs as ``Nq = 1``, ``K`` =
     number of pairs, query and document of pair ``k`` read from ``PQ[k]``, ``PD[k]``.
@@ -340,6 +351,10 @@ def maxsim_fwd_kernel(
     token in the chunk); ``OUT [Nq, K]`` gets 0, or NaN for an out-of-range segment, to which
     :func:`.doc_chunks.combine_chunks_kernel` adds the rows' sum.
 
+    ``PACKED`` (shared documents, ``Lq < TQ``, one row block a query): the block's ``BQ * TQ`` rows hold
+    ``min(BQ * TQ // Lq, 2 * BQ)`` queries back to back, ``Lq`` rows each, instead of ``BQ`` queries in ``TQ``-row
+    slots (23-token queries: 11 a 256-row block instead of 8), and ``n_qblocks`` counts such blocks.
+
     Every program holds one block of ``rows_per_prog <= TQ`` query rows (``rs``-th of ``n_rsplit``)."""
     BLOCK_M: tl.constexpr = BQ * TQ
     pid = tl.program_id(0)
@@ -353,9 +368,20 @@ def maxsim_fwd_kernel(
         chunk = kk % n_dsplit
         kk = kk // n_dsplit
     r = tl.arange(0, BLOCK_M)
-    q_out = qb * BQ + r // TQ  # output row of each MMA row
-    q_in = q_out < Nq
-    q_first = qb * BQ + tl.arange(0, BQ)
+    # Each MMA row's query slot in the block and token in that slot: TQ-row slots, or (PACKED) queries back to back
+    # at their own length Lq, up to SLOTS of them (Lq > TQ / 2 puts fewer than 2 * BQ in a block).
+    SLOTS: tl.constexpr = 2 * BQ if PACKED else BQ
+    if PACKED:
+        per_block = tl.minimum(BLOCK_M // Lq, SLOTS)
+        slot, tok = r // Lq, r % Lq
+    else:
+        per_block = BQ
+        slot, tok = r // TQ, r % TQ
+    q_out = qb * per_block + slot  # output row of each MMA row
+    q_in = (q_out < Nq) & (slot < per_block)
+    js = tl.arange(0, SLOTS)
+    q_first = qb * per_block + js
+    first_ok = (q_first < Nq) & (js < per_block)
     if PAIR_LIST:
         q_src = tl.load(PQ + kk).to(tl.int64) + tl.zeros([BLOCK_M], dtype=tl.int64)
         doc = tl.load(PD + kk).to(tl.int64)
@@ -363,21 +389,21 @@ def maxsim_fwd_kernel(
     else:
         q_src = q_out.to(tl.int64)
         doc = kk
-        b = (qb * BQ).to(tl.int64)  # BQ > 1 only when documents are shared (sd_b == 0)
+        b = (qb * per_block).to(tl.int64)  # per_block > 1 only when documents are shared (sd_b == 0)
     q_base, _q_tok0, q_len, q_bad = query_segment(Q, QSEG, q_src, q_in, Lq, n_qseq, n_qrows, sq_n, sq_l, sqs, Q_KIND)
     iq_base = INV_Q
     if NORMS_GIVEN:  # (the inverse norms have the tokens' layout: the same segments, with their own strides)
         iq_base, _iq_tok0, _iq_len, _iq_bad = query_segment(
             INV_Q, QSEG, q_src, q_in, Lq, n_qseq, n_qrows, siq_n, siq_l, sqs, Q_KIND
         )
-    q_bad_blk = tl.max(tl.reshape(q_bad.to(tl.int32), [BQ, TQ]), axis=1) > 0
+    q_bad_blk = _slot_sums(q_bad.to(tl.int32), slot, SLOTS, TQ, PACKED) > 0
     r_lo = rs * rows_per_prog
     r_hi = tl.minimum(Lq, r_lo + rows_per_prog)
 
     if PERSIST:
         # Dense documents: every document has Ld tokens and no bad segment.
         t, row_ok, q_rows, qt = _query_block(
-            r_lo, r, q_in, q_len, r_hi, q_out, QM, sqm_n, sqm_l, q_base, sq_l, dim, TQ, BLOCK_K, HAS_QMASK, UPCAST
+            r_lo, tok, q_in, q_len, r_hi, q_out, QM, sqm_n, sqm_l, q_base, sq_l, dim, BLOCK_K, HAS_QMASK, UPCAST
         )
         n_tiles = tl.cdiv(Ld, BLOCK_N)
         k_lo = kk * docs_per_prog
@@ -418,9 +444,9 @@ def maxsim_fwd_kernel(
                 )  # fmt: skip
                 if SAVE_ARGMAX:
                     tl.store(ARG + (q_out.to(tl.int64) * K + k) * Lq + t, a, mask=q_in & (t < r_hi))
-                score = tl.sum(tl.reshape(row_val, [BQ, TQ]), axis=1)
+                score = _slot_sums(row_val, slot, SLOTS, TQ, PACKED)
                 score = tl.where(q_bad_blk, float("nan"), score)
-                tl.store(OUT + (rs.to(tl.int64) * Nq + q_first) * K + k, score, mask=q_first < Nq)
+                tl.store(OUT + (rs.to(tl.int64) * Nq + q_first) * K + k, score, mask=first_ok)
                 m2 = tl.full([BLOCK_M, BLOCK_N], float("-inf"), dtype=tl.float32)
                 a2 = _argmax_slots(BLOCK_M, BLOCK_N, SAVE_ARGMAX)
                 any_valid = tl.zeros([BLOCK_N], dtype=tl.int32)
@@ -447,12 +473,12 @@ def maxsim_fwd_kernel(
             d_base += c0.to(tl.int64) * sd_l
             dm_doc += c0.to(tl.int64) * sdm_l
             inv_doc += c0.to(tl.int64) * sid_l
-            t = r_lo + r % TQ
+            t = r_lo + tok
             pv = tl.zeros([BLOCK_M], dtype=tl.float32)
             pa = tl.full([BLOCK_M], -1, dtype=tl.int32)
             if r_lo < r_end:
                 t, pv, a, live = _row_block(
-                    r_lo, r, q_in, q_len, r_hi, q_out, QM, sqm_n, sqm_l, q_base, sq_l, iq_base, siq_l, d_base,
+                    r_lo, tok, q_in, q_len, r_hi, q_out, QM, sqm_n, sqm_l, q_base, sq_l, iq_base, siq_l, d_base,
                     dm_doc, inv_doc, tl.minimum(tl.maximum(d_len - c0, 0), chunk_len), dim, sd_l, sdm_l, sid_l,
                     TQ, BQ, BLOCK_N, BLOCK_K, NUM_K, HAS_QMASK, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX,
                     DOT_PRECISION, UPCAST, EARLY_NORMS, STREAM_D,
@@ -464,26 +490,26 @@ def maxsim_fwd_kernel(
             # The combine adds the rows' sum to this: NaN for an out-of-range segment, as below.
             base = tl.where(q_bad_blk | d_bad, float("nan"), 0.0)
             # (one program per query block and document writes it: the first chunk of the first row block)
-            tl.store(OUT + q_first * K + kk, base, mask=q_first < tl.where(chunk + rs == 0, Nq, 0))
+            tl.store(OUT + q_first * K + kk, base, mask=first_ok & (q_first < tl.where(chunk + rs == 0, Nq, 0)))
         else:
-            score = tl.zeros([BQ], dtype=tl.float32)
+            score = tl.zeros([SLOTS], dtype=tl.float32)
             # (an if, not a loop over row blocks: a tile loop nested in another one is compiled with the nest's
             # bookkeeping in every tile)
             if r_lo < r_end:
                 t, row_val, a, _live = _row_block(
-                    r_lo, r, q_in, q_len, r_hi, q_out, QM, sqm_n, sqm_l, q_base, sq_l, iq_base, siq_l, d_base, dm_doc,
+                    r_lo, tok, q_in, q_len, r_hi, q_out, QM, sqm_n, sqm_l, q_base, sq_l, iq_base, siq_l, d_base, dm_doc,
                     inv_doc, d_len, dim, sd_l, sdm_l, sid_l,
                     TQ, BQ, BLOCK_N, BLOCK_K, NUM_K, HAS_QMASK, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX,
                     DOT_PRECISION, UPCAST, EARLY_NORMS, STREAM_D,
                 )  # fmt: skip
                 if SAVE_ARGMAX:
                     tl.store(ARG + (q_out.to(tl.int64) * K + kk) * Lq + t, a, mask=q_in & (t < r_hi))
-                score += tl.sum(tl.reshape(row_val, [BQ, TQ]), axis=1)
+                score += _slot_sums(row_val, slot, SLOTS, TQ, PACKED)
             if SAVE_ARGMAX:
                 # Slots past the end of every query of the block: no token, argmax -1.
                 t_tail = r_lo + tl.cdiv(tl.maximum(r_end - r_lo, 0), TQ) * TQ
                 for t0 in range(t_tail, r_hi, TQ):
-                    t = t0 + r % TQ
+                    t = t0 + tok
                     tl.store(
                         ARG + (q_out.to(tl.int64) * K + kk) * Lq + t,
                         tl.full([BLOCK_M], -1, dtype=tl.int32),
@@ -492,4 +518,4 @@ def maxsim_fwd_kernel(
 
             # Out-of-range offsets, lengths or pair ids poison their scores instead of passing as plausible numbers.
             score = tl.where(q_bad_blk | d_bad, float("nan"), score)
-            tl.store(OUT + (rs.to(tl.int64) * Nq + q_first) * K + kk, score, mask=q_first < Nq)
+            tl.store(OUT + (rs.to(tl.int64) * Nq + q_first) * K + kk, score, mask=first_ok)

@@ -111,7 +111,7 @@ def plan_key(
         settings.STREAM_UNSHARED_MAX_ROWS, settings.STREAM_SHARED_MAX_ROWS, settings.ONCE_READ_TABLE_L2,
         settings.ONCE_READ_TABLE, settings.ONCE_READ_WIDE_TABLE_L2, settings.DEEP_PIPELINE,
         settings.DEEP_PIPELINE_MIN_LD, settings.DOC_SPLIT_BELOW, settings.DOC_SPLIT_PROGRAMS_PER_SM,
-        settings.DOC_SPLIT_MIN_TILES,
+        settings.DOC_SPLIT_MIN_TILES, settings.PACK_ROWS,
     )  # fmt: skip
 
 
@@ -183,7 +183,8 @@ def forward_keeping_norms(
     shared = Bd == 1 and not sg.pairs
     from_table = cfg is None
     cfg = cfg or forward_config(Lq, dim, Nq, shared, Q.dtype == torch.float32)
-    n_qblocks = cdiv(Nq, cfg.BQ)
+    per_block = packed_queries(cfg, Nq, Lq, shared)
+    n_qblocks = cdiv(Nq, per_block or cfg.BQ)
     # Queries longer than one row block: one program per row block (more programs, shorter ones), partial scores
     # summed afterwards in a fixed order.
     n_rsplit = cdiv(Lq, cfg.TQ)
@@ -247,7 +248,7 @@ def forward_keeping_norms(
             PERSIST=docs_per_prog > 1, NORMS_GIVEN=norms_given,
             # (a split query's scores-only loop ran 5 % slower with the early load: ColPali 357 -> 376 us)
             EARLY_NORMS=norms_given and (need_argmax or n_rsplit == 1),
-            STREAM_D=stream, DOC_SPLIT=n_dsplit > 1,
+            STREAM_D=stream, DOC_SPLIT=n_dsplit > 1, PACKED=per_block > 0,
         ),
         cfg.num_warps,
         cfg.num_stages,
@@ -261,6 +262,16 @@ def forward_keeping_norms(
             plans.clear()
         plans[key] = plan
     return run_forward(plan, Q, D, q_mask, d_mask, (sg.qseg, sg.dseg, sg.pq, sg.pd), need_argmax)
+
+
+def packed_queries(cfg: ForwardConfig, Nq: int, Lq: int, shared: bool) -> int:
+    """How many queries a row block of ``cfg`` holds back to back at their own length ``Lq`` (forward.py's
+    ``PACKED``; see PACK_ROWS), or 0 where they keep their ``TQ``-row slots: documents not shared, one query a block,
+    queries that fill their slots, or no block fewer for ``Nq`` queries."""
+    if not (settings.PACK_ROWS and shared and cfg.BQ > 1 and Lq < cfg.TQ):
+        return 0
+    per_block = min(cfg.BQ * cfg.TQ // Lq, 2 * cfg.BQ)
+    return per_block if cdiv(Nq, per_block) < cdiv(Nq, cfg.BQ) else 0
 
 
 def document_chunks(n_programs: int, Ld: int, block_n: int, device: torch.device) -> tuple[int, int]:

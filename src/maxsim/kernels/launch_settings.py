@@ -174,3 +174,7 @@ DOC_SPLIT_MIN_TILES = 4
 # tiles on 528 slots): H200, in-process (docs/performance.md v63), 1-tile chunks by programs of their own 1.30-1.38x
 # slower; persistent programs over even ranges of each row's tiles, the cut documents folded, 1.01x (1x1000 Ld1024
 # 1.07x), i.e. the last wave's few programs take more than their share of the bandwidth, not a wave's time.
+# Queries shorter than their row slot (TQ, the next power of two) packed back to back into a shared-document block's
+# rows at their own length (forward.py's PACKED) where that takes fewer blocks: 23-token queries 11 to a 256-row
+# block instead of 8 in 32-row slots, so each tile of a document is multiplied by 253 live rows instead of 184.
+PACK_ROWS = 1

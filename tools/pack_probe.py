@@ -1,0 +1,114 @@
+"""Queries packed at their own length against TQ-row slots (``launch_settings.PACK_ROWS``), GPU only.
+
+Cross products whose query length is not a power of two, bf16, in one process: the forward with and without the
+argmax, and the training step (forward + backward), each with packing on and off in interleaved rounds
+(``triton.testing.do_bench`` medians with its L2 flush; the median over rounds is printed), then the GPU time of
+each (the kernels' time per call, torch.profiler over 10 calls): a host-bound call's do_bench time is its host's.
+
+Usage: python tools/pack_probe.py [--rounds N] [--only SUBSTR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from triton.testing import do_bench
+
+import maxsim
+from maxsim.kernels import launch_backward, launch_forward, launch_settings
+
+# name: (Nq, Nd, Lq, Ld, dim)
+SHAPES = {
+    "cross 128x128 Lq23 Ld333": (128, 128, 23, 333, 128),
+    "cross 256x256 Lq23 Ld300": (256, 256, 23, 300, 128),
+    "cross 64x512 Lq20 Ld1024": (64, 512, 20, 1024, 128),
+    "cross 128x128 Lq40 Ld300": (128, 128, 40, 300, 128),
+    "cross 256x256 Lq12 Ld300": (256, 256, 12, 300, 128),
+    "cross 64x64 Lq23 Ld333 d96": (64, 64, 23, 333, 96),
+    "cross 48x48 Lq23 Ld333 d96": (48, 48, 23, 333, 96),
+    "cross 32x32 Lq23 Ld64 d64": (32, 32, 23, 64, 64),
+}
+
+
+def _calls(Nq: int, Nd: int, Lq: int, Ld: int, dim: int) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    Q = torch.randn(Nq, Lq, dim, device="cuda", generator=g).to(torch.bfloat16)
+    D = torch.randn(Nd, Ld, dim, device="cuda", generator=g).to(torch.bfloat16)
+    Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+    grad = torch.randn(Nq, Nd, device="cuda", generator=g)
+
+    def scores():
+        with torch.no_grad():
+            return maxsim.maxsim(Q, D)
+
+    def argmax():
+        with torch.no_grad():
+            return maxsim.maxsim(Q, D, return_argmax=True)
+
+    def step():
+        return torch.autograd.grad(maxsim.maxsim(Qg, Dg), (Qg, Dg), grad)
+
+    return {"scores": scores, "argmax fwd": argmax, "train step": step}
+
+
+def gpu_us(fn) -> float:
+    """Kernel time per call of ``fn``, µs: the sum over 10 calls (after 3 warm-up calls) of every kernel's own
+    device time."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+    total = sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages())
+    return total / 10
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--only", default=None)
+    args = ap.parse_args()
+    for name, shape in SHAPES.items():
+        if args.only and args.only not in name:
+            continue
+        calls = _calls(*shape)
+        times: dict = {(k, p): [] for k in calls for p in (1, 0)}
+        same = None
+        for _ in range(args.rounds):
+            for pack in (1, 0):
+                launch_settings.PACK_ROWS = pack
+                launch_forward.plans.clear()
+                launch_backward.plans.clear()
+                out = calls["argmax fwd"]()
+                if same is None:
+                    same = out
+                else:  # (packing moves a score's row sum into another order: within a few ulp)
+                    torch.testing.assert_close(out[0], same[0], rtol=1e-5, atol=1e-5)
+                    assert torch.equal(out[1], same[1])
+                for k, fn in calls.items():
+                    times[(k, pack)].append(do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3)
+        launch_settings.PACK_ROWS = 1
+        cols = []
+        for k in calls:
+            on, off = statistics.median(times[(k, 1)]), statistics.median(times[(k, 0)])
+            cols.append(f"{k} {off:8.1f} -> {on:8.1f} us ({off / on:4.2f}x)")
+        print(f"{name:28s} " + "   ".join(cols), flush=True)
+        cols = []
+        for k, fn in calls.items():
+            gpu = {}
+            for pack in (0, 1):
+                launch_settings.PACK_ROWS = pack
+                launch_forward.plans.clear()
+                launch_backward.plans.clear()
+                gpu[pack] = gpu_us(fn)
+            cols.append(f"{k} {gpu[0]:8.1f} -> {gpu[1]:8.1f} us ({gpu[0] / gpu[1]:4.2f}x)")
+        launch_settings.PACK_ROWS = 1
+        print(f"{'  GPU time':28s} " + "   ".join(cols), flush=True)
+
+
+if __name__ == "__main__":
+    main()
