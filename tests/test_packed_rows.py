@@ -33,7 +33,9 @@ CASES = {
 
 
 @pytest.fixture(autouse=True)
-def _fresh_plans():
+def _fresh_plans(monkeypatch):
+    """Fresh plans, on one multiprocessor (these small launches would all fit one wave of a GPU's: not packed)."""
+    monkeypatch.setattr(device_info, "sm_count", lambda device: 1)
     launch_forward.plans.clear()
     yield
     launch_forward.plans.clear()
@@ -87,17 +89,20 @@ def _exact_inputs(Nq, Lq, dim, Nd, Ld, device, seed):
 
 
 def test_the_rule_packs_where_it_saves_blocks(monkeypatch):
+    pack = launch_forward.packed_queries
     for Nq, Lq, dim, per_block, _blocks in CASES.values():
         cfg = forward_config(Lq, dim, Nq, True)
-        assert launch_forward.packed_queries(cfg, Nq, Lq, True) == per_block
-        assert launch_forward.packed_queries(cfg, Nq, Lq, False) == 0  # (documents not shared)
+        assert pack(cfg, Nq, Lq, 5, True, 1) == per_block
+        assert pack(cfg, Nq, Lq, 5, False, 1) == 0  # (documents not shared)
     cfg = forward_config(23, 128, 128, True)
-    assert launch_forward.packed_queries(cfg, 128, 23, True) == 11
-    assert launch_forward.packed_queries(cfg, 8, 23, True) == 0  # one block either way
-    assert launch_forward.packed_queries(forward_config(32, 128, 128, True), 128, 32, True) == 0  # slots full
-    assert launch_forward.packed_queries(forward_config(200, 128, 8, True), 8, 200, True) == 0  # row-split queries
+    assert pack(cfg, 128, 23, 128, True, 132) == 11  # 16 blocks a document in slots, 12 packed
+    assert pack(cfg, 8, 23, 128, True, 132) == 0  # one block either way
+    assert pack(forward_config(32, 128, 128, True), 128, 32, 128, True, 132) == 0  # slots full
+    assert pack(forward_config(200, 128, 8, True), 8, 200, 128, True, 132) == 0  # row-split queries
+    # 4 blocks in slots x 33 documents: one program more than the multiprocessors, then exactly as many
+    assert pack(cfg, 32, 23, 33, True, 131) == 11 and pack(cfg, 32, 23, 33, True, 132) == 0
     monkeypatch.setattr(launch_settings, "PACK_ROWS", 0)
-    assert launch_forward.packed_queries(cfg, 128, 23, True) == 0
+    assert pack(cfg, 128, 23, 128, True, 132) == 0
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
@@ -165,6 +170,9 @@ def test_packed_rows_in_document_chunks(device, monkeypatch):
     Q, D, qm, dm = _exact_inputs(Nq, Lq, dim, 3, 150, device, seed=21)
     monkeypatch.setattr(device_info, "sm_count", lambda device: 64)
     monkeypatch.setattr(launch_settings, "DOC_SPLIT_MIN_TILES", 1)
+    # (the table packs no launch this small on 64 multiprocessors: the kernel's chunked path is tested regardless)
+    rule = launch_forward.packed_queries
+    monkeypatch.setattr(launch_forward, "packed_queries", lambda *a: rule(*a[:-1], 0))
     monkeypatch.setattr(launch_settings, "DEEP_PIPELINE", 0)
     cfg = dataclasses.replace(forward_config(Lq, dim, Nq, True), persist=0)
     planned = []
@@ -203,7 +211,7 @@ def test_packed_rows_training_matches_the_reference(normalize, device):
     _on(device)
     inp = make_inputs("cross", 9, 5, 23, 29, 16, dtype=DTYPE, device=device, seed=41, masks="empty")
     cfg = forward_config(23, 16, 9, True)
-    assert launch_forward.packed_queries(cfg, 9, 23, True) == 11
+    assert launch_forward.packed_queries(cfg, 9, 23, 5, True, 1) == 11
     check_parity(inp, normalize=normalize, seed=41)
     assert any(p.constexprs["PACKED"] for p in launch_forward.plans.values() if hasattr(p, "constexprs"))
 
