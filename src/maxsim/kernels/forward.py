@@ -7,10 +7,10 @@ document in ``BLOCK_N``-token tiles, keeps a running row max (and, for training,
 writes the ``[Lq, Ld]`` similarity block anywhere. A tile's product unrolls its dim chunks (up to
 ``UNROLLED_DIM_CHUNKS``, 256 dims); wider tokens run a pipelined loop over 64-dim chunks instead. Packing several
 queries into M (only where they share the document, i.e. the cross product, ``Bd == 1``) lets one loaded document
-tile serve all of them. Queries longer than ``TQ`` rows
-are split into ``TQ``-row blocks, one program each; their partial scores are summed afterwards in a fixed order
-(deterministic, no atomics). A launch of a handful of long documents may split each document's tokens over programs
-too (``DOC_SPLIT``), whose row maxima :mod:`.doc_chunks` folds.
+tile serve all of them; they take ``TQ``-row slots, or (``PACKED``) follow each other at their own length.
+Queries longer than ``TQ`` rows are split into ``TQ``-row blocks, one program each; their partial scores are summed
+afterwards in a fixed order (deterministic, no atomics). A launch of a handful of long documents may split each
+document's tokens over programs too (``DOC_SPLIT``), whose row maxima :mod:`.doc_chunks` folds.
 
 Semantics (design.md §1) live here and, for chunked documents, in the fold that keeps them: masked document tokens
 are ``-inf`` before the max; a query row that is masked or sees no valid document token contributes 0 and argmax -1;
