@@ -29,6 +29,7 @@ CASES = {
     "12-token queries": (20, 12, 16, 21, (1, 2)),  # 16-row slots, 16 a block
     "5-token queries, capped": (40, 5, 16, 32, (2, 3)),  # 51 would fit: capped at twice the slots
     "40-token queries": (5, 40, 16, 6, (1, 2)),  # 64-row slots, 4 a block
+    "23-token queries, 300 dims": (9, 23, 300, 11, (1, 2)),  # the dim loop of wide tokens (configs.wide)
 }
 
 
