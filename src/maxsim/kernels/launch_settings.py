@@ -177,4 +177,6 @@ DOC_SPLIT_MIN_TILES = 4
 # Queries shorter than their row slot (TQ, the next power of two) packed back to back into a shared-document block's
 # rows at their own length (forward.py's PACKED) where that takes fewer blocks: 23-token queries 11 to a 256-row
 # block instead of 8 in 32-row slots, so each tile of a document is multiplied by 253 live rows instead of 184.
+# Not where the launch in slots is at most a wave (see launch_forward.packed_queries). Whether to pack is a boolean
+# of the shapes (a constexpr, as PERSIST): at most one more compiled variant per query length, once.
 PACK_ROWS = 1
