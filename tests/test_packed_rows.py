@@ -149,6 +149,23 @@ def test_packed_rows_match_slots_bitwise(case, argmax, device, monkeypatch):
     assert (packed[0][Nq // 2] == 0).all() and torch.isnan(packed[0][:, 1]).any()
 
 
+@pytest.mark.parametrize("lq", [12, 19])
+def test_packed_fp32_rows_match_slots_bitwise(lq, device, monkeypatch):
+    """fp32 tokens (their own table: 64-row blocks, tf32x3 on a GPU): 12-token queries 5 to a block instead of 4,
+    19-token ones 3 instead of 2."""
+    Nq, dim = 20, 16
+    Q, D, qm, dm = _exact_inputs(Nq, lq, dim, 3, 29, device, seed=lq)
+    Q, D = Q.float(), D.float()
+    cfg = forward_config(lq, dim, Nq, True, True)
+    monkeypatch.setattr(launch_settings, "DOC_SPLIT_PROGRAMS_PER_SM", 0)
+    planned = []
+    packed, slots = _packed_and_slots(monkeypatch, lambda: launch.forward(Q, D, qm, dm, False, True, cfg=cfg), planned)
+    assert [p.constexprs["PACKED"] for p in planned] == [True, False]
+    _assert_bitwise(packed, slots)
+    ref, _ref_arg = reference.scores_and_argmax(Q.double(), D.double(), qm, dm)
+    torch.testing.assert_close(packed[0].double(), ref, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("case", ["23-token queries", "5-token queries, capped"])
 def test_packed_rows_persistent_walk(case, device, monkeypatch):
     """Programs walking several documents (one multiprocessor's worth of programs), unmasked and masked."""
