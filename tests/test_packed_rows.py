@@ -48,8 +48,8 @@ def _on(device: str) -> None:
 
 
 def _packed_and_slots(monkeypatch, call, planned=None):
-    """``call()`` with packing on, then off (fresh plans each); the forward plans each ran are appended to
-    ``planned`` (a list), packing's first."""
+    """``call()`` with packing on for every table (PACK_ROWS = 2: fp32 and wide tokens too), then off (fresh plans
+    each); the forward plans each ran are appended to ``planned`` (a list), packing's first."""
     run = launch_forward.run_forward
 
     def spy(plan, *args):
@@ -60,7 +60,7 @@ def _packed_and_slots(monkeypatch, call, planned=None):
     results = []
     with monkeypatch.context() as m:
         m.setattr(launch_forward, "run_forward", spy)
-        for pack in (1, 0):
+        for pack in (2, 0):
             m.setattr(launch_settings, "PACK_ROWS", pack)
             launch_forward.plans.clear()
             results.append(call())
@@ -90,11 +90,13 @@ def _exact_inputs(Nq, Lq, dim, Nd, Ld, device, seed):
 
 
 def test_the_rule_packs_where_it_saves_blocks(monkeypatch):
-    pack = launch_forward.packed_queries
+    def pack(cfg, Nq, Lq, K, shared, sms, dim=128, itemsize=2):
+        return launch_forward.packed_queries(cfg, Nq, Lq, K, shared, sms, dim, itemsize)
+
     for Nq, Lq, dim, per_block, _blocks in CASES.values():
         cfg = forward_config(Lq, dim, Nq, True)
-        assert pack(cfg, Nq, Lq, 5, True, 1) == per_block
-        assert pack(cfg, Nq, Lq, 5, False, 1) == 0  # (documents not shared)
+        assert pack(cfg, Nq, Lq, 5, True, 1, dim) == (per_block if dim <= 256 else 0)  # (wide: PACK_ROWS = 2)
+        assert pack(cfg, Nq, Lq, 5, False, 1, dim) == 0  # (documents not shared)
     cfg = forward_config(23, 128, 128, True)
     assert pack(cfg, 128, 23, 128, True, 132) == 11  # 16 blocks a document in slots, 12 packed
     assert pack(cfg, 8, 23, 128, True, 132) == 0  # one block either way
@@ -102,6 +104,12 @@ def test_the_rule_packs_where_it_saves_blocks(monkeypatch):
     assert pack(forward_config(200, 128, 8, True), 8, 200, 128, True, 132) == 0  # row-split queries
     # 4 blocks in slots x 33 documents: one program more than the multiprocessors, then exactly as many
     assert pack(cfg, 32, 23, 33, True, 131) == 11 and pack(cfg, 32, 23, 33, True, 132) == 0
+    # fp32 tokens and the wide dim loop pack only under PACK_ROWS = 2 (not timed on a GPU)
+    fp32, wide = forward_config(12, 128, 64, True, True), forward_config(23, 768, 128, True)
+    assert pack(fp32, 64, 12, 128, True, 132, 128, 4) == 0 and pack(wide, 128, 23, 128, True, 132, 768) == 0
+    monkeypatch.setattr(launch_settings, "PACK_ROWS", 2)
+    assert pack(fp32, 64, 12, 128, True, 132, 128, 4) == 5 and pack(wide, 128, 23, 128, True, 132, 768) == 11
+    assert pack(cfg, 128, 23, 128, True, 132) == 11
     monkeypatch.setattr(launch_settings, "PACK_ROWS", 0)
     assert pack(cfg, 128, 23, 128, True, 132) == 0
 
@@ -120,7 +128,7 @@ def test_packed_launch_takes_fewer_programs(case, device, monkeypatch):
         raise StopIteration
 
     monkeypatch.setattr(launch_forward, "run_forward", spy)
-    for pack in (1, 0):
+    for pack in (2, 0):
         monkeypatch.setattr(launch_settings, "PACK_ROWS", pack)
         launch_forward.plans.clear()
         cfg = dataclasses.replace(forward_config(Lq, dim, Nq, True), persist=0)
@@ -190,7 +198,11 @@ def test_packed_rows_in_document_chunks(device, monkeypatch):
     monkeypatch.setattr(launch_settings, "DOC_SPLIT_MIN_TILES", 1)
     # (the table packs no launch this small on 64 multiprocessors: the kernel's chunked path is tested regardless)
     rule = launch_forward.packed_queries
-    monkeypatch.setattr(launch_forward, "packed_queries", lambda *a: rule(*a[:-1], 0))
+
+    def on_no_multiprocessors(cfg, nq, lq, k, shared, sms, *rest):
+        return rule(cfg, nq, lq, k, shared, 0, *rest)
+
+    monkeypatch.setattr(launch_forward, "packed_queries", on_no_multiprocessors)
     monkeypatch.setattr(launch_settings, "DEEP_PIPELINE", 0)
     cfg = dataclasses.replace(forward_config(Lq, dim, Nq, True), persist=0)
     planned = []
@@ -229,7 +241,7 @@ def test_packed_rows_training_matches_the_reference(normalize, device):
     _on(device)
     inp = make_inputs("cross", 9, 5, 23, 29, 16, dtype=DTYPE, device=device, seed=41, masks="empty")
     cfg = forward_config(23, 16, 9, True)
-    assert launch_forward.packed_queries(cfg, 9, 23, 5, True, 1) == 11
+    assert launch_forward.packed_queries(cfg, 9, 23, 5, True, 1, 16, 2) == 11
     check_parity(inp, normalize=normalize, seed=41)
     assert any(p.constexprs["PACKED"] for p in launch_forward.plans.values() if hasattr(p, "constexprs"))
 

@@ -178,5 +178,8 @@ DOC_SPLIT_MIN_TILES = 4
 # rows at their own length (forward.py's PACKED) where that takes fewer blocks: 23-token queries 11 to a 256-row
 # block instead of 8 in 32-row slots, so each tile of a document is multiplied by 253 live rows instead of 184.
 # Not where the launch in slots is at most a wave (see launch_forward.packed_queries). Whether to pack is a boolean
-# of the shapes (a constexpr, as PERSIST): at most one more compiled variant per query length, once.
+# of the shapes (a constexpr, as PERSIST): at most one more compiled variant per query length, once. 1: 16-bit tokens
+# of at most configs.UNROLLED_MAX_DIM dims, where it was measured (docs/performance.md v129); 2: fp32 tokens and the
+# wide dim loop too, computed the same (tests/test_packed_rows.py) but not timed on a GPU, whose packed argmax
+# forwards spill more (ptxas, 768 dims, 256-row blocks: 88 -> 172 bytes; 384 dims: 120 -> 176).
 PACK_ROWS = 1
