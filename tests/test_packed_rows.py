@@ -2,7 +2,8 @@
 forward.py's ``PACKED``) compute what ``TQ``-row slots compute: the same scores (bit for bit on integer data, whose
 sums are exact in any order) and the same argmax, on every path of the forward kernel (one program a document, the
 persistent walk, documents in chunks, packed tokens with offsets), with masks with holes, NaN, ties, empty queries
-and documents; and training through them matches the float64 reference."""
+and documents; and training through them matches the float64 reference. The table packs 16-bit tokens of at most
+256 dims (PACK_ROWS = 1); the kernel's comparisons here switch it on for fp32 and wide tokens too (PACK_ROWS = 2)."""
 
 from __future__ import annotations
 
