@@ -2,8 +2,8 @@
 forward.py's ``PACKED``) compute what ``TQ``-row slots compute: the same scores (bit for bit on integer data, whose
 sums are exact in any order) and the same argmax, on every path of the forward kernel (one program a document, the
 persistent walk, documents in chunks, packed tokens with offsets), with masks with holes, NaN, ties, empty queries
-and documents; and training through them matches the float64 reference. The table packs 16-bit tokens of at most
-256 dims (PACK_ROWS = 1); the kernel's comparisons here switch it on for fp32 and wide tokens too (PACK_ROWS = 2)."""
+and documents; and training through them matches the float64 reference. The table packs 16-bit tokens of any
+width (PACK_ROWS = 1); the kernel's comparisons here switch it on for fp32 tokens too (PACK_ROWS = 2)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def _on(device: str) -> None:
 
 
 def _packed_and_slots(monkeypatch, call, planned=None):
-    """``call()`` with packing on for every table (PACK_ROWS = 2: fp32 and wide tokens too), then off (fresh plans
+    """``call()`` with packing on for every table (PACK_ROWS = 2: fp32 tokens too), then off (fresh plans
     each); the forward plans each ran are appended to ``planned`` (a list), packing's first."""
     run = launch_forward.run_forward
 
@@ -91,13 +91,13 @@ def _exact_inputs(Nq, Lq, dim, Nd, Ld, device, seed):
 
 
 def test_the_rule_packs_where_it_saves_blocks(monkeypatch):
-    def pack(cfg, Nq, Lq, K, shared, sms, dim=128, itemsize=2):
-        return launch_forward.packed_queries(cfg, Nq, Lq, K, shared, sms, dim, itemsize)
+    def pack(cfg, Nq, Lq, K, shared, sms, itemsize=2):
+        return launch_forward.packed_queries(cfg, Nq, Lq, K, shared, sms, itemsize)
 
     for Nq, Lq, dim, per_block, _blocks in CASES.values():
         cfg = forward_config(Lq, dim, Nq, True)
-        assert pack(cfg, Nq, Lq, 5, True, 1, dim) == (per_block if dim <= 256 else 0)  # (wide: PACK_ROWS = 2)
-        assert pack(cfg, Nq, Lq, 5, False, 1, dim) == 0  # (documents not shared)
+        assert pack(cfg, Nq, Lq, 5, True, 1) == per_block
+        assert pack(cfg, Nq, Lq, 5, False, 1) == 0  # (documents not shared)
     cfg = forward_config(23, 128, 128, True)
     assert pack(cfg, 128, 23, 128, True, 132) == 11  # 16 blocks a document in slots, 12 packed
     assert pack(cfg, 8, 23, 128, True, 132) == 0  # one block either way
@@ -105,11 +105,11 @@ def test_the_rule_packs_where_it_saves_blocks(monkeypatch):
     assert pack(forward_config(200, 128, 8, True), 8, 200, 128, True, 132) == 0  # row-split queries
     # 4 blocks in slots x 33 documents: one program more than the multiprocessors, then exactly as many
     assert pack(cfg, 32, 23, 33, True, 131) == 11 and pack(cfg, 32, 23, 33, True, 132) == 0
-    # fp32 tokens and the wide dim loop pack only under PACK_ROWS = 2 (not timed on a GPU)
+    # 16-bit wide tokens (the dim loop) pack from PACK_ROWS = 1, fp32 tokens only under PACK_ROWS = 2
     fp32, wide = forward_config(12, 128, 64, True, True), forward_config(23, 768, 128, True)
-    assert pack(fp32, 64, 12, 128, True, 132, 128, 4) == 0 and pack(wide, 128, 23, 128, True, 132, 768) == 0
+    assert pack(fp32, 64, 12, 128, True, 132, 4) == 0 and pack(wide, 128, 23, 128, True, 132) == 11
     monkeypatch.setattr(launch_settings, "PACK_ROWS", 2)
-    assert pack(fp32, 64, 12, 128, True, 132, 128, 4) == 5 and pack(wide, 128, 23, 128, True, 132, 768) == 11
+    assert pack(fp32, 64, 12, 128, True, 132, 4) == 5
     assert pack(cfg, 128, 23, 128, True, 132) == 11
     monkeypatch.setattr(launch_settings, "PACK_ROWS", 0)
     assert pack(cfg, 128, 23, 128, True, 132) == 0
@@ -242,7 +242,7 @@ def test_packed_rows_training_matches_the_reference(normalize, device):
     _on(device)
     inp = make_inputs("cross", 9, 5, 23, 29, 16, dtype=DTYPE, device=device, seed=41, masks="empty")
     cfg = forward_config(23, 16, 9, True)
-    assert launch_forward.packed_queries(cfg, 9, 23, 5, True, 1, 16, 2) == 11
+    assert launch_forward.packed_queries(cfg, 9, 23, 5, True, 1, 2) == 11
     check_parity(inp, normalize=normalize, seed=41)
     assert any(p.constexprs["PACKED"] for p in launch_forward.plans.values() if hasattr(p, "constexprs"))
 

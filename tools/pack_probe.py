@@ -5,7 +5,8 @@ argmax, and the training step (forward + backward), each with packing on and off
 (``triton.testing.do_bench`` medians with its L2 flush; the median over rounds is printed), then the GPU time of
 each (the kernels' time per call, torch.profiler over 10 calls): a host-bound call's do_bench time is its host's.
 
-Usage: python tools/pack_probe.py [--rounds N] [--only SUBSTR]
+Usage: python tools/pack_probe.py [--rounds N] [--only SUBSTR] [--shapes NQxNDxLQxLDxDIM ...] [--dtype fp32]
+[--level 2]. ``--level``: the packing level compared against slots (2 packs fp32 tokens too).
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ def _name(Nq: int, Nd: int, Lq: int, Ld: int, dim: int) -> str:
     return f"cross {Nq}x{Nd} Lq{Lq} Ld{Ld}" + ("" if dim == 128 else f" d{dim}")
 
 
-def _calls(Nq: int, Nd: int, Lq: int, Ld: int, dim: int) -> dict:
+def _calls(Nq: int, Nd: int, Lq: int, Ld: int, dim: int, dtype: torch.dtype) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
-    Q = torch.randn(Nq, Lq, dim, device="cuda", generator=g).to(torch.bfloat16)
-    D = torch.randn(Nd, Ld, dim, device="cuda", generator=g).to(torch.bfloat16)
+    Q = torch.randn(Nq, Lq, dim, device="cuda", generator=g).to(dtype)
+    D = torch.randn(Nd, Ld, dim, device="cuda", generator=g).to(dtype)
     Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
     grad = torch.randn(Nq, Nd, device="cuda", generator=g)
 
@@ -75,16 +76,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--only", default=None)
+    ap.add_argument("--shapes", nargs="+", metavar="NQxNDxLQxLDxDIM", help="these cross products instead")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    ap.add_argument("--level", type=int, default=1, help="PACK_ROWS of the packed side")
     args = ap.parse_args()
-    for shape in SHAPES:
-        name = _name(*shape)
+    dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
+    level = args.level
+    for shape in shapes:
+        name = _name(*shape) + ("" if dtype == torch.bfloat16 else f" {args.dtype}")
         if args.only and args.only not in name:
             continue
-        calls = _calls(*shape)
-        times: dict = {(k, p): [] for k in calls for p in (1, 0)}
+        calls = _calls(*shape, dtype)
+        times: dict = {(k, p): [] for k in calls for p in (level, 0)}
         same = None
         for _ in range(args.rounds):
-            for pack in (1, 0):
+            for pack in (level, 0):
                 launch_settings.PACK_ROWS = pack
                 launch_forward.plans.clear()
                 launch_backward.plans.clear()
@@ -99,18 +106,18 @@ def main() -> None:
         launch_settings.PACK_ROWS = 1
         cols = []
         for k in calls:
-            on, off = statistics.median(times[(k, 1)]), statistics.median(times[(k, 0)])
+            on, off = statistics.median(times[(k, level)]), statistics.median(times[(k, 0)])
             cols.append(f"{k} {off:8.1f} -> {on:8.1f} us ({off / on:4.2f}x)")
         print(f"{name:28s} " + "   ".join(cols), flush=True)
         cols = []
         for k, fn in calls.items():
             gpu = {}
-            for pack in (0, 1):
+            for pack in (0, level):
                 launch_settings.PACK_ROWS = pack
                 launch_forward.plans.clear()
                 launch_backward.plans.clear()
                 gpu[pack] = gpu_us(fn)
-            cols.append(f"{k} {gpu[0]:8.1f} -> {gpu[1]:8.1f} us ({gpu[0] / gpu[1]:4.2f}x)")
+            cols.append(f"{k} {gpu[0]:8.1f} -> {gpu[level]:8.1f} us ({gpu[0] / gpu[level]:4.2f}x)")
         launch_settings.PACK_ROWS = 1
         print(f"{'  GPU time':28s} " + "   ".join(cols), flush=True)
 

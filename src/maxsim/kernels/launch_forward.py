@@ -24,7 +24,6 @@ from .configs import (
     once_read_config,
     scores_only_config,
     streaming_config,
-    wide,
 )
 from .forward import maxsim_fwd_kernel
 from .launch_args import (
@@ -184,7 +183,7 @@ def forward_keeping_norms(
     shared = Bd == 1 and not sg.pairs
     from_table = cfg is None
     cfg = cfg or forward_config(Lq, dim, Nq, shared, Q.dtype == torch.float32)
-    per_block = packed_queries(cfg, Nq, Lq, K, shared, device_info.sm_count(Q.device), dim, Q.element_size())
+    per_block = packed_queries(cfg, Nq, Lq, K, shared, device_info.sm_count(Q.device), Q.element_size())
     n_qblocks = cdiv(Nq, per_block or cfg.BQ)
     # Queries longer than one row block: one program per row block (more programs, shorter ones), partial scores
     # summed afterwards in a fixed order.
@@ -265,16 +264,14 @@ def forward_keeping_norms(
     return run_forward(plan, Q, D, q_mask, d_mask, (sg.qseg, sg.dseg, sg.pq, sg.pd), need_argmax)
 
 
-def packed_queries(
-    cfg: ForwardConfig, Nq: int, Lq: int, K: int, shared: bool, sms: int, dim: int, itemsize: int
-) -> int:  # fmt: skip
+def packed_queries(cfg: ForwardConfig, Nq: int, Lq: int, K: int, shared: bool, sms: int, itemsize: int) -> int:
     """How many queries a row block of ``cfg`` holds back to back at their own length ``Lq`` (forward.py's
     ``PACKED``; see PACK_ROWS), or 0 where they keep their ``TQ``-row slots: documents not shared, one query a block,
     queries that fill their slots, no block fewer for ``Nq`` queries, a launch whose (block, document) programs in
     slots would all run at once on the ``sms`` multiprocessors (fewer of them finish no sooner, and each sums its
     rows per query in a longer epilogue: H200, cross 32x32 Lq23 Ld64 dim 64, 4 -> 3 blocks, scores 3.4 -> 4.2 us),
-    or (PACK_ROWS = 1) tokens of ``itemsize`` bytes and ``dim`` dims that it was not measured on."""
-    level, least = settings.PACK_ROWS, (1 if itemsize == 2 and not wide(dim) else 2)  # (least: what packs these)
+    or (PACK_ROWS = 1) fp32 tokens, on which it was not measured faster."""
+    level, least = settings.PACK_ROWS, (1 if itemsize == 2 else 2)  # (least: the level that packs these)
     if level < least or not (shared and cfg.BQ > 1 and Lq < cfg.TQ):
         return 0
     if cdiv(Nq, cfg.BQ) * K <= sms:

@@ -66,6 +66,14 @@ SCATTER_DOCS = 2
 # Lq200 d512, 0.90x d384, but 1.03-1.11x d768, d1024, long queries, fp32 d384), candidates and pairs slower (1.07x;
 # fp32 candidates 0.88x, not taken); nor at 256 dims and fewer (dim 128, 256x256 Ld300: 0.425 -> 0.447 -> 0.582).
 WIDE_ATOMICS_BT = 4
+# A cross product's dQ gather of at most one program a multiprocessor beside the dD atomics (no owner in the launch)
+# is bound by each program's chain of loads over its pairs: its token block (and the atomics') is cut to the power of
+# two, down to FIT_GATHER_MIN_BT, that pads the query's length least (23 tokens: 3 blocks of 8 instead of 2 of 16, 1.5x
+# the programs; 0: not cut). H200, backward GPU time, tools/knobs.py (docs/performance.md v130), 16 -> 8 tokens, us:
+# cross 64x64 Lq23 Ld333 d96 20.3 -> 16.0, 7x1000 Lq23 d96 79.4 -> 60.7, varlen 48x96 Lq5-23 d96 35.2 -> 19.7. Not
+# beside owners (candidates 32x7 Lq23 d96 8.4 -> 9.7, pairs 256 d48 6.6 -> 9.0, cross 48x48 d48 28.8 -> 32.2) nor for
+# more programs (cross 128x128 Lq23, 256 of them: 63.0 -> 65.8).
+FIT_GATHER_MIN_BT = 8
 SCATTER_CHUNK_BYTES = 3 << 20
 SCATTER_CHUNK_MIN_LINKS = 1 << 17
 # A dQ gather of few programs over many pairs each (few queries against many documents or candidates: cross 1x1000
@@ -178,8 +186,10 @@ DOC_SPLIT_MIN_TILES = 4
 # rows at their own length (forward.py's PACKED) where that takes fewer blocks: 23-token queries 11 to a 256-row
 # block instead of 8 in 32-row slots, so each tile of a document is multiplied by 253 live rows instead of 184.
 # Not where the launch in slots is at most a wave (see launch_forward.packed_queries). Whether to pack is a boolean
-# of the shapes (a constexpr, as PERSIST): at most one more compiled variant per query length, once. 1: 16-bit tokens
-# of at most configs.UNROLLED_MAX_DIM dims, where it was measured (docs/performance.md v129); 2: fp32 tokens and the
-# wide dim loop too, computed the same (tests/test_packed_rows.py) but not timed on a GPU, whose packed argmax
-# forwards spill more (ptxas, 768 dims, 256-row blocks: 88 -> 172 bytes; 384 dims: 120 -> 176).
+# of the shapes (a constexpr, as PERSIST): at most one more compiled variant per query length, once. 1: 16-bit tokens,
+# where it was measured (docs/performance.md v129; wide tokens v130: H200, GPU time, slots -> packed, cross 128x128
+# Lq23 Ld300 d384 argmax forward 407 -> 308 us, 64x64 d768 157 -> 129, 32x256 Ld180 d1024 245 -> 198, though their
+# packed argmax forwards spill more, ptxas 768 dims 88 -> 172 bytes); 2: fp32 tokens too, computed the same
+# (tests/test_packed_rows.py) but not faster where timed (the fp32 table's 64-row blocks: 2 queries of 23 tokens
+# either way; cross 128x128 Lq23 Ld333 and 64x64 d96 1.00x).
 PACK_ROWS = 1

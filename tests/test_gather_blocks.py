@@ -1,0 +1,142 @@
+"""Token blocks cut to fit the query's length (``launch_settings.FIT_GATHER_MIN_BT``): where a fast cross product's dQ
+gather has at most one program a multiprocessor and the dD atomics share its launch (no owner), the gather and the
+atomics take the power-of-two block that pads the query least (23 tokens: 3 blocks of 8, not 2 of 16). The gradients
+are those of the uncut blocks, bit for bit on integer data (each row sums its pairs in the same order; the atomics'
+sums of integers are exact in any order), and the float64 reference's, with masks with holes, an empty query, a NaN
+upstream gradient, ragged queries and ``normalize``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import INTERPRET, check_parity, int_grid, make_inputs
+
+import maxsim
+from maxsim.kernels import device_info, launch_backward, launch_settings
+from maxsim.kernels.configs import fitted_block
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() or INTERPRET), reason="Triton kernels: a GPU or TRITON_INTERPRET=1"
+)
+
+DTYPE = torch.bfloat16 if torch.cuda.is_available() and not INTERPRET else torch.float16
+
+
+@pytest.fixture(autouse=True)
+def _atomics(monkeypatch):
+    """dD of every cross product by the atomics (no owner) on a GPU of 132 multiprocessors; fresh plans."""
+    monkeypatch.setattr(launch_settings, "SHARED_OWNER_MAX_ROWS", 0)
+    monkeypatch.setattr(launch_settings, "SHARED_OWNER_MAX_WORK", 0)
+    monkeypatch.setattr(device_info, "sm_count", lambda device: 132)
+    launch_backward.plans.clear()
+    yield
+    launch_backward.plans.clear()
+
+
+def _on(device: str) -> None:
+    if INTERPRET and device == "cpu":
+        maxsim.set_backend("triton")  # (CPU tensors under the interpreter; the conftest restores the backend)
+
+
+def _blocks() -> list[int]:
+    """The token block (BT) of each backward planned since the plans were cleared."""
+    return [p.main[2]["BT"] for p in launch_backward.plans.values()]
+
+
+def test_fitted_block_pads_least():
+    assert fitted_block(23, 16, 8) == 8  # 24 rows, not 32
+    assert fitted_block(23, 32, 8) == 8
+    assert fitted_block(40, 16, 8) == 8  # 40, not 48
+    assert fitted_block(5, 16, 8) == 8
+    assert fitted_block(32, 16, 8) == 16  # a power of two: as it was
+    assert fitted_block(12, 16, 8) == 16  # 16 rows either way: the larger block
+    assert fitted_block(20, 32, 16) == 32  # 32 either way
+    assert fitted_block(23, 4, 8) == 4  # below the least: as it was (wide tokens' atomics)
+
+
+def _step(Q, D, g, backward="fast", **kw):
+    Qg, Dg = Q.detach().requires_grad_(), D.detach().requires_grad_()
+    return torch.autograd.grad(maxsim.maxsim(Qg, Dg, backward=backward, **kw), (Qg, Dg), g)
+
+
+def test_the_rule(device, monkeypatch):
+    """Cut for few gather programs beside the atomics; not for more programs than multiprocessors, not beside the
+    owner (the deterministic backward's), not for a power-of-two length, not when switched off."""
+    _on(device)
+    Q = int_grid((3, 23, 16), seed=1, dtype=DTYPE, device=device)
+    D = int_grid((5, 29, 16), seed=2, dtype=DTYPE, device=device)
+    g = torch.ones(3, 5, device=device)
+    _step(Q, D, g)
+    assert _blocks() == [8]  # (16 dims: 32-token blocks uncut)
+    launch_backward.plans.clear()
+    _step(Q, D, g, backward="deterministic")
+    assert _blocks() == [32]
+    launch_backward.plans.clear()
+    _step(Q[:, :16], D, g)
+    assert _blocks() == [16]
+    launch_backward.plans.clear()
+    monkeypatch.setattr(device_info, "sm_count", lambda device: 2)  # 3 queries x 1 block of 32 > 2
+    _step(Q, D, g)
+    assert _blocks() == [32]
+    launch_backward.plans.clear()
+    monkeypatch.setattr(device_info, "sm_count", lambda device: 132)
+    monkeypatch.setattr(launch_settings, "FIT_GATHER_MIN_BT", 0)
+    _step(Q, D, g)
+    assert _blocks() == [32]
+
+
+def _cut_and_uncut(monkeypatch, call):
+    """``call()`` with blocks cut (the rule's), then uncut (FIT_GATHER_MIN_BT = 0), fresh plans each; the blocks."""
+    cut = call()
+    blocks = _blocks()
+    launch_backward.plans.clear()
+    with monkeypatch.context() as m:
+        m.setattr(launch_settings, "FIT_GATHER_MIN_BT", 0)
+        uncut = call()
+        blocks += _blocks()
+    return cut, uncut, blocks
+
+
+@pytest.mark.parametrize("Lq", [23, 5, 40])
+def test_cut_blocks_give_the_uncut_gradients_bitwise(Lq, device, monkeypatch):
+    _on(device)
+    Q = int_grid((4, Lq, 16), seed=3, dtype=DTYPE, device=device)
+    D = int_grid((6, 19, 16), seed=4, dtype=DTYPE, device=device)
+    q_mask = torch.rand(4, Lq, generator=torch.Generator().manual_seed(5)) > 0.3
+    q_mask[1] = False  # an empty query
+    q_mask = q_mask.to(device)
+    g = int_grid((4, 6), seed=6, dtype=torch.float32, device=device)
+    g[2, 3] = float("nan")  # reaches the tokens its pair's argmax chose, in either blocking
+    (cut, uncut, blocks) = _cut_and_uncut(monkeypatch, lambda: _step(Q, D, g, q_mask=q_mask))
+    assert blocks == [8, max(16, 1 << (Lq - 1).bit_length())]  # (16 dims: up to 64-token blocks uncut)
+    for a, b, name in zip(cut, uncut, ("dQ", "dD"), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=lambda m, name=name: f"{name}: {m}")
+    assert torch.isnan(cut[0][2]).any()
+
+
+def test_ragged_queries(device, monkeypatch):
+    """Packed queries of 17-23 tokens and an empty one against shared documents (varlen)."""
+    _on(device)
+    lens = [23, 17, 0, 20, 21]
+    cu_q = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu_d = torch.tensor([0, 7, 19, 30], dtype=torch.int32, device=device)
+    Qp = int_grid((sum(lens), 16), seed=7, dtype=DTYPE, device=device)
+    Dp = int_grid((30, 16), seed=8, dtype=DTYPE, device=device)
+    g = int_grid((5, 3), seed=9, dtype=torch.float32, device=device)
+
+    def step():
+        Qg, Dg = Qp.detach().requires_grad_(), Dp.detach().requires_grad_()
+        return torch.autograd.grad(maxsim.maxsim_varlen(Qg, Dg, cu_q, cu_d, backward="fast"), (Qg, Dg), g)
+
+    cut, uncut, blocks = _cut_and_uncut(monkeypatch, step)
+    assert blocks == [8, 32]
+    for a, b in zip(cut, uncut, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalized"])
+def test_cut_blocks_match_the_reference(normalize, device):
+    _on(device)
+    inp = make_inputs("cross", 3, 4, 23, 21, 16, dtype=DTYPE, device=device, seed=13, masks="holes")
+    check_parity(inp, normalize=normalize, backward="fast", seed=13)
+    assert _blocks() == [8]
