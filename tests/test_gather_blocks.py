@@ -1,9 +1,8 @@
-"""Token blocks cut to fit the query's length (``launch_settings.FIT_GATHER_MIN_BT``): where a fast cross product's dQ
-gather has at most one program a multiprocessor and the dD atomics share its launch (no owner), the gather and the
-atomics take the power-of-two block that pads the query least (23 tokens: 3 blocks of 8, not 2 of 16). The gradients
-are those of the uncut blocks, bit for bit on integer data (each row sums its pairs in the same order; the atomics'
-sums of integers are exact in any order), and the float64 reference's, with masks with holes, an empty query, a NaN
-upstream gradient, ragged queries and ``normalize``."""
+"""Short token blocks for a gather short of programs (``launch_settings.FEW_GATHER_BT``): where a fast cross product's
+dQ gather has at most one program a multiprocessor and the dD atomics share its launch (no owner), the gather and the
+atomics take blocks of 8 query tokens. The gradients are those of the table's blocks, bit for bit on integer data (each
+row sums its pairs in the same order; the atomics' sums of integers are exact in any order), and the float64
+reference's, with masks with holes, an empty query, a NaN upstream gradient, ragged queries and ``normalize``."""
 
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ from helpers import INTERPRET, check_parity, int_grid, make_inputs
 
 import maxsim
 from maxsim.kernels import device_info, launch_backward, launch_settings
-from maxsim.kernels.configs import fitted_block
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() or INTERPRET), reason="Triton kernels: a GPU or TRITON_INTERPRET=1"
@@ -43,62 +41,51 @@ def _blocks() -> list[int]:
     return [p.main[2]["BT"] for p in launch_backward.plans.values()]
 
 
-def test_fitted_block_pads_least():
-    assert fitted_block(23, 16, 8) == 8  # 24 rows, not 32
-    assert fitted_block(23, 32, 8) == 8
-    assert fitted_block(40, 16, 8) == 8  # 40, not 48
-    assert fitted_block(5, 16, 8) == 8
-    assert fitted_block(32, 16, 8) == 16  # a power of two: as it was
-    assert fitted_block(12, 16, 8) == 16  # 16 rows either way: the larger block
-    assert fitted_block(20, 32, 16) == 32  # 32 either way
-    assert fitted_block(23, 4, 8) == 4  # below the least: as it was (wide tokens' atomics)
-
-
 def _step(Q, D, g, backward="fast", **kw):
     Qg, Dg = Q.detach().requires_grad_(), D.detach().requires_grad_()
     return torch.autograd.grad(maxsim.maxsim(Qg, Dg, backward=backward, **kw), (Qg, Dg), g)
 
 
 def test_the_rule(device, monkeypatch):
-    """Cut for few gather programs beside the atomics; not for more programs than multiprocessors, not beside the
-    owner (the deterministic backward's), not for a power-of-two length, not when switched off."""
+    """Short blocks for few gather programs beside the atomics; not for more programs than multiprocessors, not beside
+    the owner (the deterministic backward's), not when switched off."""
     _on(device)
     Q = int_grid((3, 23, 16), seed=1, dtype=DTYPE, device=device)
     D = int_grid((5, 29, 16), seed=2, dtype=DTYPE, device=device)
     g = torch.ones(3, 5, device=device)
     _step(Q, D, g)
-    assert _blocks() == [8]  # (16 dims: 32-token blocks uncut)
+    assert _blocks() == [8]  # (16 dims: the table's blocks are of 32 tokens for these queries)
     launch_backward.plans.clear()
     _step(Q, D, g, backward="deterministic")
     assert _blocks() == [32]
     launch_backward.plans.clear()
     _step(Q[:, :16], D, g)
-    assert _blocks() == [16]
+    assert _blocks() == [8]
     launch_backward.plans.clear()
     monkeypatch.setattr(device_info, "sm_count", lambda device: 2)  # 3 queries x 1 block of 32 > 2
     _step(Q, D, g)
     assert _blocks() == [32]
     launch_backward.plans.clear()
     monkeypatch.setattr(device_info, "sm_count", lambda device: 132)
-    monkeypatch.setattr(launch_settings, "FIT_GATHER_MIN_BT", 0)
+    monkeypatch.setattr(launch_settings, "FEW_GATHER_BT", 0)
     _step(Q, D, g)
     assert _blocks() == [32]
 
 
-def _cut_and_uncut(monkeypatch, call):
-    """``call()`` with blocks cut (the rule's), then uncut (FIT_GATHER_MIN_BT = 0), fresh plans each; the blocks."""
-    cut = call()
+def _short_and_table(monkeypatch, call):
+    """``call()`` with the rule's short blocks, then the table's (FEW_GATHER_BT = 0), fresh plans each; the blocks."""
+    short = call()
     blocks = _blocks()
     launch_backward.plans.clear()
     with monkeypatch.context() as m:
-        m.setattr(launch_settings, "FIT_GATHER_MIN_BT", 0)
-        uncut = call()
+        m.setattr(launch_settings, "FEW_GATHER_BT", 0)
+        table = call()
         blocks += _blocks()
-    return cut, uncut, blocks
+    return short, table, blocks
 
 
-@pytest.mark.parametrize("Lq", [23, 5, 40])
-def test_cut_blocks_give_the_uncut_gradients_bitwise(Lq, device, monkeypatch):
+@pytest.mark.parametrize("Lq", [23, 5, 40, 32])
+def test_short_blocks_give_the_table_blocks_gradients_bitwise(Lq, device, monkeypatch):
     _on(device)
     Q = int_grid((4, Lq, 16), seed=3, dtype=DTYPE, device=device)
     D = int_grid((6, 19, 16), seed=4, dtype=DTYPE, device=device)
@@ -106,12 +93,12 @@ def test_cut_blocks_give_the_uncut_gradients_bitwise(Lq, device, monkeypatch):
     q_mask[1] = False  # an empty query
     q_mask = q_mask.to(device)
     g = int_grid((4, 6), seed=6, dtype=torch.float32, device=device)
-    g[2, 3] = float("nan")  # reaches the tokens its pair's argmax chose, in either blocking
-    (cut, uncut, blocks) = _cut_and_uncut(monkeypatch, lambda: _step(Q, D, g, q_mask=q_mask))
-    assert blocks == [8, max(16, 1 << (Lq - 1).bit_length())]  # (16 dims: up to 64-token blocks uncut)
-    for a, b, name in zip(cut, uncut, ("dQ", "dD"), strict=True):
+    g[2, 3] = float("nan")  # reaches the tokens its pair's argmax chose, in either
+    (short, table, blocks) = _short_and_table(monkeypatch, lambda: _step(Q, D, g, q_mask=q_mask))
+    assert blocks == [8, max(16, 1 << (Lq - 1).bit_length())]  # (16 dims: the table's blocks, up to 64 tokens)
+    for a, b, name in zip(short, table, ("dQ", "dD"), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=lambda m, name=name: f"{name}: {m}")
-    assert torch.isnan(cut[0][2]).any()
+    assert torch.isnan(short[0][2]).any()
 
 
 def test_ragged_queries(device, monkeypatch):
@@ -128,14 +115,14 @@ def test_ragged_queries(device, monkeypatch):
         Qg, Dg = Qp.detach().requires_grad_(), Dp.detach().requires_grad_()
         return torch.autograd.grad(maxsim.maxsim_varlen(Qg, Dg, cu_q, cu_d, backward="fast"), (Qg, Dg), g)
 
-    cut, uncut, blocks = _cut_and_uncut(monkeypatch, step)
+    short, table, blocks = _short_and_table(monkeypatch, step)
     assert blocks == [8, 32]
-    for a, b in zip(cut, uncut, strict=True):
+    for a, b in zip(short, table, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalized"])
-def test_cut_blocks_match_the_reference(normalize, device):
+def test_short_blocks_match_the_reference(normalize, device):
     _on(device)
     inp = make_inputs("cross", 3, 4, 23, 21, 16, dtype=DTYPE, device=device, seed=13, masks="holes")
     check_parity(inp, normalize=normalize, backward="fast", seed=13)

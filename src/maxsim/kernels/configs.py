@@ -307,13 +307,6 @@ OWNER_BLOCK_N = 64
 BACKWARD_NUM_WARPS = 4
 
 
-def fitted_block(length: int, block: int, least: int) -> int:
-    """The power of two from ``block`` down to ``least`` whose blocks pad ``length`` rows least (ties: the larger;
-    ``block`` itself where it is below ``least``)."""
-    sizes = [b for b in (block >> i for i in range(block.bit_length())) if b >= least] or [block]
-    return min(sizes, key=lambda b: (-(-length // b) * b, -b))
-
-
 @lru_cache(maxsize=256)
 def backward_config(
     Lq: int, dim: int, candidates: bool = False, normalize: bool = False, fp32: bool = False

@@ -19,7 +19,7 @@ from . import dd_chunks, dd_gather, device_info, slices
 from . import launch_settings as settings
 from . import normalize as normalize_kernels
 from .backward import maxsim_bwd_kernel, maxsim_bwd_scatter_kernel
-from .configs import BackwardConfig, backward_config, fitted_block, wide
+from .configs import BackwardConfig, backward_config, wide
 from .dd_chunks import chunk_plan, chunk_steps
 from .launch_args import (
     DENSE,
@@ -170,9 +170,15 @@ def _backward_plan(
     if shared and not dd_owned and not sorted_dd and wide(dim):
         cfg = replace(cfg, BT=settings.WIDE_ATOMICS_BT)  # (see there)
     n_queries = sg.n_q if sg.q_kind == OFFSETS else Q.shape[0]
-    fit = settings.FIT_GATHER_MIN_BT
-    if fit and shared and not dd_owned and n_queries * cdiv(Lq, cfg.BT) <= device_info.sm_count(Q.device):
-        cfg = replace(cfg, BT=fitted_block(Lq, cfg.BT, fit))  # (see there)
+    few = settings.FEW_GATHER_BT
+    if (
+        few
+        and shared
+        and not dd_owned
+        and few < cfg.BT
+        and n_queries * cdiv(Lq, cfg.BT) <= device_info.sm_count(Q.device)
+    ):
+        cfg = replace(cfg, BT=few)  # (see there)
     grad_stride = _grad_stride(grad)
     grad_contiguous = grad_stride is None
     grad_stride = 1 if grad_stride is None else grad_stride

@@ -67,13 +67,14 @@ SCATTER_DOCS = 2
 # fp32 candidates 0.88x, not taken); nor at 256 dims and fewer (dim 128, 256x256 Ld300: 0.425 -> 0.447 -> 0.582).
 WIDE_ATOMICS_BT = 4
 # A cross product's dQ gather of at most one program a multiprocessor beside the dD atomics (no owner in the launch)
-# is bound by each program's chain of loads over its pairs: its token block (and the atomics') is cut to the power of
-# two, down to FIT_GATHER_MIN_BT, that pads the query's length least (23 tokens: 3 blocks of 8 instead of 2 of 16, 1.5x
-# the programs; 0: not cut). H200, backward GPU time, tools/knobs.py (docs/performance.md v130), 16 -> 8 tokens, us:
-# cross 64x64 Lq23 Ld333 d96 20.3 -> 16.0, 7x1000 Lq23 d96 79.4 -> 60.7, varlen 48x96 Lq5-23 d96 35.2 -> 19.7. Not
-# beside owners (candidates 32x7 Lq23 d96 8.4 -> 9.7, pairs 256 d48 6.6 -> 9.0, cross 48x48 d48 28.8 -> 32.2) nor for
-# more programs (cross 128x128 Lq23, 256 of them: 63.0 -> 65.8).
-FIT_GATHER_MIN_BT = 8
+# is bound by each program's chain of loads over its pairs: it and the atomics take blocks of FEW_GATHER_BT query
+# tokens instead (0: not), 2-4x the programs, and a query of 23 tokens pads 1 row where 16-token blocks padded 9. H200,
+# backward GPU time, tools/knobs.py (docs/performance.md v130), 16 -> 8 tokens, us: cross 64x64 Lq23 Ld333 d96
+# 20.3 -> 16.0, 7x1000 Lq23 d96 79.4 -> 60.7, 64x64 Lq32 Ld1024 36.1 -> 29.2, varlen 48x96 Lq5-23 d96 35.2 -> 19.7;
+# 4 tokens slower (64x64 Lq23 d96 25.1, varlen 48x96 28.9). Not beside owners (candidates 32x7 Lq23 d96 8.4 -> 9.7,
+# pairs 256 d48 6.6 -> 9.0, cross 48x48 d48 28.8 -> 32.2) nor for more programs (cross 128x128 Lq23, 256 of them:
+# 63.0 -> 65.8).
+FEW_GATHER_BT = 8
 SCATTER_CHUNK_BYTES = 3 << 20
 SCATTER_CHUNK_MIN_LINKS = 1 << 17
 # A dQ gather of few programs over many pairs each (few queries against many documents or candidates: cross 1x1000
