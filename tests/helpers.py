@@ -50,6 +50,13 @@ def triton_usable(device: str | torch.device) -> bool:
     return dev.type == "cuda" or (dev.type == "cpu" and INTERPRET)
 
 
+def kernels_on(device: str | torch.device) -> None:
+    """Route CPU tensors to the Triton kernels under the interpreter (the conftest restores the backend after each
+    test); on a GPU the kernels take CUDA tensors anyway."""
+    if INTERPRET and torch.device(device).type == "cpu":
+        maxsim.set_backend("triton")
+
+
 def backends_for(device: str | torch.device) -> list[str]:
     return ["torch", "triton"] if triton_usable(device) else ["torch"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import INTERPRET, check_parity, int_grid, make_inputs
+from helpers import INTERPRET, check_parity, int_grid, kernels_on, make_inputs
 
 import maxsim
 from maxsim.kernels import device_info, launch_backward, launch_settings
@@ -31,11 +31,6 @@ def _atomics(monkeypatch):
     launch_backward.plans.clear()
 
 
-def _on(device: str) -> None:
-    if INTERPRET and device == "cpu":
-        maxsim.set_backend("triton")  # (CPU tensors under the interpreter; the conftest restores the backend)
-
-
 def _blocks() -> list[int]:
     """The token block (BT) of each backward planned since the plans were cleared."""
     return [p.main[2]["BT"] for p in launch_backward.plans.values()]
@@ -49,7 +44,7 @@ def _step(Q, D, g, backward="fast", **kw):
 def test_the_rule(device, monkeypatch):
     """Short blocks for few gather programs beside the atomics; not for more programs than multiprocessors, not beside
     the owner (the deterministic backward's), not when switched off."""
-    _on(device)
+    kernels_on(device)
     Q = int_grid((3, 23, 16), seed=1, dtype=DTYPE, device=device)
     D = int_grid((5, 29, 16), seed=2, dtype=DTYPE, device=device)
     g = torch.ones(3, 5, device=device)
@@ -86,7 +81,7 @@ def _short_and_table(monkeypatch, call):
 
 @pytest.mark.parametrize("Lq", [23, 5, 40, 32])
 def test_short_blocks_give_the_table_blocks_gradients_bitwise(Lq, device, monkeypatch):
-    _on(device)
+    kernels_on(device)
     Q = int_grid((4, Lq, 16), seed=3, dtype=DTYPE, device=device)
     D = int_grid((6, 19, 16), seed=4, dtype=DTYPE, device=device)
     q_mask = torch.rand(4, Lq, generator=torch.Generator().manual_seed(5)) > 0.3
@@ -103,7 +98,7 @@ def test_short_blocks_give_the_table_blocks_gradients_bitwise(Lq, device, monkey
 
 def test_ragged_queries(device, monkeypatch):
     """Packed queries of 17-23 tokens and an empty one against shared documents (varlen)."""
-    _on(device)
+    kernels_on(device)
     lens = [23, 17, 0, 20, 21]
     cu_q = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     cu_d = torch.tensor([0, 7, 19, 30], dtype=torch.int32, device=device)
@@ -123,7 +118,7 @@ def test_ragged_queries(device, monkeypatch):
 
 @pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalized"])
 def test_short_blocks_match_the_reference(normalize, device):
-    _on(device)
+    kernels_on(device)
     inp = make_inputs("cross", 3, 4, 23, 21, 16, dtype=DTYPE, device=device, seed=13, masks="holes")
     check_parity(inp, normalize=normalize, backward="fast", seed=13)
     assert _blocks() == [8]

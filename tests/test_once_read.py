@@ -9,9 +9,9 @@ import math
 
 import pytest
 import torch
-from helpers import INTERPRET, forward_launches, int_grid, rand_mask
+from helpers import INTERPRET, forward_launches, int_grid, kernels_on, rand_mask
 
-from maxsim import maxsim, maxsim_pairs, reference, set_backend
+from maxsim import maxsim, maxsim_pairs, reference
 from maxsim.kernels import configs, device_info, launch_forward, launch_settings
 
 pytestmark = pytest.mark.skipif(
@@ -20,11 +20,6 @@ pytestmark = pytest.mark.skipif(
 
 DTYPE = torch.bfloat16 if torch.cuda.is_available() and not INTERPRET else torch.float16
 H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
-
-
-def _on(device: str) -> None:
-    if INTERPRET and device == "cpu":
-        set_backend("triton")  # (CPU tensors under the interpreter; the conftest restores the backend)
 
 
 @pytest.fixture
@@ -88,7 +83,7 @@ TABLE_ROWS64 = (False, 32, 4, 4, False)  # (one program a document where there a
     ],
 )
 def test_once_read_table_chosen_where_the_rule_says(what, card_name, l2s, expected, card, device, monkeypatch):
-    _on(device)
+    kernels_on(device)
     nq = 40 if what == "several query blocks" else 2 if what.startswith("candidates") else 1
     lq = 48 if "64 rows" in what or "64-row" in what else 32
     ld = 600 if "long documents" in what else 50
@@ -140,7 +135,7 @@ def test_once_read_table_matches_the_stream(case, normalize, card, device, monke
     Dc = D[0] if shared else D
     nbytes = Dc.numel() * Dc.element_size()
     monkeypatch.setattr(launch_settings, "STREAM_L2_RANGE", (0.0, math.inf))
-    _on(device)
+    kernels_on(device)
     runs = {}
     for name, l2s in (("stream", 1.0), ("table", 3.0)):
         card(H200, int(nbytes / l2s))
@@ -175,7 +170,7 @@ def test_once_read_wide_blocks_walk_documents_persistent(case, normalize, card, 
     D[-1, -2, 5, 1] = float("inf")
     Dc = D[0] if d_shape[0] == 1 else D
     monkeypatch.setattr(device_info, "sm_count", lambda device: 1)
-    _on(device)
+    kernels_on(device)
     card(H200, Dc.numel() * Dc.element_size() // 3)
     assert configs.ONCE_READ_WIDE_PERSIST > 0
     runs = {}
@@ -196,7 +191,7 @@ def test_once_read_thin_blocks_keep_one_program_a_document(card, device, monkeyp
     nothing from it: configs.once_read_config)."""
     Q, D = _inputs(1, 32, 13, 70, 128, False, device)
     monkeypatch.setattr(device_info, "sm_count", lambda device: 1)
-    _on(device)
+    kernels_on(device)
     card(H200, D.numel() * D.element_size() // 3)
     assert _launches(monkeypatch, lambda: maxsim(Q, D)) == [TABLE_64]
 
@@ -207,7 +202,7 @@ def test_once_read_table_with_a_query_mask(card, device, monkeypatch):
     Q = int_grid((2, 12, 128), seed=4, dtype=DTYPE, device=device)
     D = int_grid((2, 3, 70, 128), seed=5, dtype=DTYPE, device=device)
     q_mask = rand_mask((2, 12), seed=6, p_valid=0.6, device=device)
-    _on(device)
+    kernels_on(device)
     card(H200, D.numel() * D.element_size() // 3)
     seen = _launches(monkeypatch, lambda: maxsim(Q, D, q_mask=q_mask))
     assert seen == [TABLE_64]

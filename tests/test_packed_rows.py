@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import INTERPRET, check_parity, forward_launches, int_grid, make_inputs, rand_mask
+from helpers import INTERPRET, check_parity, forward_launches, int_grid, kernels_on, make_inputs, rand_mask
 
 import maxsim
 from maxsim import reference
@@ -41,11 +41,6 @@ def _fresh_plans(monkeypatch):
     launch_forward.plans.clear()
     yield
     launch_forward.plans.clear()
-
-
-def _on(device: str) -> None:
-    if INTERPRET and device == "cpu":
-        maxsim.set_backend("triton")  # (CPU tensors under the interpreter; the conftest restores the backend)
 
 
 def _packed_and_slots(monkeypatch, call, planned=None):
@@ -214,7 +209,7 @@ def test_packed_rows_in_document_chunks(device, monkeypatch):
 
 def test_packed_varlen_queries(device, monkeypatch):
     """Packed tokens with offsets: queries of 17-23 tokens, rows packed by the longest."""
-    _on(device)
+    kernels_on(device)
     lens_q = [23, 17, 20, 23, 19, 21, 18, 22, 23, 17]
     lens_d = [30, 0, 12, 41]
     dim = 16
@@ -239,7 +234,7 @@ def test_packed_varlen_queries(device, monkeypatch):
 @pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalized"])
 def test_packed_rows_training_matches_the_reference(normalize, device):
     """A training step through packed rows (the backward reads the argmax, whatever the forward's blocks were)."""
-    _on(device)
+    kernels_on(device)
     inp = make_inputs("cross", 9, 5, 23, 29, 16, dtype=DTYPE, device=device, seed=41, masks="empty")
     cfg = forward_config(23, 16, 9, True)
     assert launch_forward.packed_queries(cfg, 9, 23, 5, True, 1, 2) == 11
@@ -250,7 +245,7 @@ def test_packed_rows_training_matches_the_reference(normalize, device):
 def test_the_table_plans_packed_rows(device, monkeypatch):
     """What the launch table plans for the off-matrix 128x128 Lq23 Ld333 step's forward: 11 queries a 256-row
     block, and 8 in 32-row slots for 32-token queries."""
-    _on(device)
+    kernels_on(device)
     D = torch.randn(128, 333, 128, dtype=torch.float16, device=device)
     for lq, packed in ((23, True), (32, False)):
         Q = torch.randn(128, lq, 128, dtype=torch.float16, device=device)
