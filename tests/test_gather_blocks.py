@@ -117,6 +117,24 @@ def test_ragged_queries(device, monkeypatch):
 
 
 @pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalized"])
+def test_beside_the_sorted_gather(normalize, device, monkeypatch):
+    """The deterministic backward of a large cross product (dD by the sorted gather, the dQ gather alone in its
+    launch) takes the short blocks too, with the same gradients."""
+    kernels_on(device)
+    monkeypatch.setattr(launch_settings, "SORTED_DD_MIN_LINKS", 0)
+    Q = int_grid((3, 23, 16), seed=10, dtype=DTYPE, device=device)
+    D = int_grid((4, 17, 16), seed=11, dtype=DTYPE, device=device)
+    g = int_grid((3, 4), seed=12, dtype=torch.float32, device=device)
+    short, table, blocks = _short_and_table(
+        monkeypatch, lambda: _step(Q, D, g, backward="deterministic", normalize=normalize)
+    )
+    assert blocks == [8, 32]
+    assert all(p.dd_sorted is not None for p in launch_backward.plans.values())
+    for a, b in zip(short, table, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalized"])
 def test_short_blocks_match_the_reference(normalize, device):
     kernels_on(device)
     inp = make_inputs("cross", 3, 4, 23, 21, 16, dtype=DTYPE, device=device, seed=13, masks="holes")
