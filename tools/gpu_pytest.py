@@ -10,7 +10,8 @@ the summary of every shard is printed. The exit status is nonzero when any shard
 collects nothing. Failures
 are then run once more on their own (a host-timed test can fail only because the shards share the CPUs), and that
 result is printed too. With ``--gpus N`` shard ``i`` sees GPU ``i % N`` only (``CUDA_VISIBLE_DEVICES``), so the tests
-that need two GPUs skip there: run ``tests/test_multi_gpu.py`` on its own.
+that need two GPUs skip there: run ``tests/test_multi_gpu.py`` on its own. Each shard's PyTorch CPU ops get
+``cpu_count // N`` threads (``OMP_NUM_THREADS``), unless the caller's environment sets a count.
 """
 
 from __future__ import annotations
@@ -59,7 +60,14 @@ def main() -> int:
         listing.write_text("\n".join(shard) + "\n")
         log = open(args.out / f"shard{i}.log", "w")  # noqa: SIM115 (closed after the process ends)
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *shard]
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(i % args.gpus)) if args.gpus > 1 else None
+        env = dict(os.environ)
+        if args.gpus > 1:
+            env["CUDA_VISIBLE_DEVICES"] = str(i % args.gpus)
+        # The shards share the host's cores: each PyTorch CPU op spinning up a thread per core in every shard left
+        # 15 shards of mostly CPU-path tests at two thirds of their tests after 300 s (run 62), so each shard gets
+        # its share of the cores (unless the caller set a count).
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            env.setdefault(var, str(max(1, (os.cpu_count() or 1) // len(shards))))
         procs.append((i, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
     print(f"{len(ids)} tests in {len(procs)} shards")
 
