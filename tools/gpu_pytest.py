@@ -11,7 +11,8 @@ collects nothing. Failures
 are then run once more on their own (a host-timed test can fail only because the shards share the CPUs), and that
 result is printed too. With ``--gpus N`` shard ``i`` sees GPU ``i % N`` only (``CUDA_VISIBLE_DEVICES``), so the tests
 that need two GPUs skip there: run ``tests/test_multi_gpu.py`` on its own. Each shard's PyTorch CPU ops get
-``cpu_count // N`` threads (``OMP_NUM_THREADS``), unless the caller's environment sets a count.
+``cpu_count // N`` threads (``OMP_NUM_THREADS``), unless the caller's environment sets a count: on a 16-core H200
+host, the 879 CPU-path tests took 20 s at 14 shards, where a thread per core in every shard had run past 10 minutes.
 """
 
 from __future__ import annotations
