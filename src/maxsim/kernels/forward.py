@@ -107,9 +107,9 @@ def _argmax_slots(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SAVE_ARGMAX: tl.
 
 @triton.jit
 def _chunk_product(
-    s, sumsq, qt, q_rows, row_ok, d_base, cols, col_ok, d_len, dim, sd_l, kc, dt_pre, BLOCK_K: tl.constexpr,
-    NUM_K: tl.constexpr, HAS_DMASK: tl.constexpr, SUMSQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, STREAM_D: tl.constexpr,
+    s, sumsq, qt, q_rows, row_ok, d_base, cols, d_len, dim, sd_l, kc, dt_pre, BLOCK_K: tl.constexpr,
+    NUM_K: tl.constexpr, SUMSQ: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    STREAM_D: tl.constexpr,
 ):  # fmt: skip
     """Dim chunk ``kc`` of a tile's similarities added into ``s [rows, BLOCK_N]`` (and its tokens' squares into
     ``sumsq [BLOCK_N]`` where ``SUMSQ``). With one chunk, ``qt`` is the query block; ``STREAM_D``: ``dt_pre`` is the
@@ -119,15 +119,12 @@ def _chunk_product(
     kd = kc * BLOCK_K + tl.arange(0, BLOCK_K)
     if STREAM_D:
         dt = dt_pre
-    elif HAS_DMASK:
-        # Masked document tokens are not read (they may hold NaN/inf, and their bytes are not needed).
-        dt = tl.load(
-            d_base + cols[:, None] * sd_l + kd[None, :], mask=col_ok[:, None] & (kd[None, :] < dim), other=0.0
-        )  # [BLOCK_N, BLOCK_K], contiguous along dim
     else:
         # Rows past the document's end read its last token instead (their columns become -inf after the max's
         # select): loads without a row predicate, which every tile paid (H100: long-query training step 793 ->
-        # 766 us, ColPali inference 243 -> 229 us; memory-bound rows unchanged).
+        # 766 us, ColPali inference 243 -> 229 us; memory-bound rows unchanged). Masked tokens are read too: the
+        # select that follows the product replaces their columns (NaN or inf included, each column being one token's
+        # own products), where a predicate on the mask held the tile's loads behind the mask's.
         rows = tl.minimum(cols, d_len - 1)
         dt = tl.load(d_base + rows[:, None] * sd_l + kd[None, :], mask=(kd[None, :] < dim), other=0.0)
     if SUMSQ:
@@ -166,14 +163,14 @@ def _scan_tile(
         # where the unrolled loop below keeps every chunk of both in flight (768 dims: 448 KB of shared memory).
         for kc in range(NUM_K):
             s, sumsq = _chunk_product(
-                s, sumsq, qt, q_rows, row_ok, d_base, cols, col_ok, d_len, dim, sd_l, kc, dt_pre, BLOCK_K, NUM_K,
-                HAS_DMASK, SUMSQ, DOT_PRECISION, UPCAST, STREAM_D,
+                s, sumsq, qt, q_rows, row_ok, d_base, cols, d_len, dim, sd_l, kc, dt_pre, BLOCK_K, NUM_K, SUMSQ,
+                DOT_PRECISION, UPCAST, STREAM_D,
             )  # fmt: skip
     else:
         for kc in tl.static_range(NUM_K):
             s, sumsq = _chunk_product(
-                s, sumsq, qt, q_rows, row_ok, d_base, cols, col_ok, d_len, dim, sd_l, kc, dt_pre, BLOCK_K, NUM_K,
-                HAS_DMASK, SUMSQ, DOT_PRECISION, UPCAST, STREAM_D,
+                s, sumsq, qt, q_rows, row_ok, d_base, cols, d_len, dim, sd_l, kc, dt_pre, BLOCK_K, NUM_K, SUMSQ,
+                DOT_PRECISION, UPCAST, STREAM_D,
             )  # fmt: skip
     if NORMALIZE:
         if SUMSQ:  # (the sum of squares of a tile costs a layout round trip)
