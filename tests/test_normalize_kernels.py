@@ -146,6 +146,36 @@ def test_backward_programs_project_the_rows_they_hold(case, fused_q, fused_d, mo
     assert names.count("inverse_norms_kernel") == 1
 
 
+def _recorded_launches(monkeypatch) -> list:
+    """``(kernel name, constexprs)`` of every launch from here on, none of them run (launches planned as on a GPU)."""
+    from maxsim.kernels import launch_args, launcher
+
+    launches: list = []
+
+    def record(
+        self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0, foreign=None
+    ):
+        launches.append((self.kernel.__name__, constexprs))
+
+    monkeypatch.setattr(launcher.Launcher, "__call__", record)
+    monkeypatch.setattr(launch_args, "INTERPRETER", False)
+    return launches
+
+
+def _norm_case(layout: str, Lq: int):
+    """``(Q, D, ragged description or None)`` of a small fp32 problem of ``layout``, dim 64."""
+    from maxsim.layout import Ragged
+
+    Q, D, rg = torch.randn(40 if "40" in layout else 2, Lq, 64), torch.randn(1, 3, 40, 64), None
+    if layout == "candidates":
+        D = torch.randn(2, 3, 40, 64)
+    if layout == "pair list":
+        Q, D = torch.randn(2 * Lq, 64), torch.randn(47, 64)
+        cu_q, cu_d = torch.tensor([0, Lq, 2 * Lq]), torch.tensor([0, 5, 40, 47])
+        rg = Ragged(cu_q, cu_d, torch.tensor([0, 1, 1]), torch.tensor([2, 0, 2]), Lq, 35)
+    return Q, D, rg
+
+
 @pytest.mark.parametrize(
     "layout, Lq, normalize, given",
     [
@@ -163,25 +193,10 @@ def test_forward_reads_inverse_norms_from_a_pre_pass(layout, Lq, normalize, give
     from one pre-pass launch, and a training step hands them on to the backward (no second pre-pass); one block of
     queries against shared documents sums each tile's squares as it goes (see launch_settings.PRENORM_*)."""
     from maxsim import ops
-    from maxsim.kernels import launch_args, launch_backward, launch_forward, launcher
-    from maxsim.layout import Ragged
+    from maxsim.kernels import launch_backward, launch_forward
 
-    launches: list = []
-
-    def record(
-        self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0, foreign=None
-    ):
-        launches.append((self.kernel.__name__, constexprs))
-
-    monkeypatch.setattr(launcher.Launcher, "__call__", record)
-    monkeypatch.setattr(launch_args, "INTERPRETER", False)
-    Q, D, rg = torch.randn(40 if "40" in layout else 2, Lq, 64), torch.randn(1, 3, 40, 64), None
-    if layout == "candidates":
-        D = torch.randn(2, 3, 40, 64)
-    if layout == "pair list":
-        Q, D = torch.randn(2 * Lq, 64), torch.randn(47, 64)
-        cu_q, cu_d = torch.tensor([0, Lq, 2 * Lq]), torch.tensor([0, 5, 40, 47])
-        rg = Ragged(cu_q, cu_d, torch.tensor([0, 1, 1]), torch.tensor([2, 0, 2]), Lq, 35)
+    launches = _recorded_launches(monkeypatch)
+    Q, D, rg = _norm_case(layout, Lq)
     launch_forward.plans.clear()
     launch_backward.plans.clear()
     s, arg, norms = ops.forward_impl(Q, D, None, None, normalize, True, "triton", rg)
@@ -197,3 +212,43 @@ def test_forward_reads_inverse_norms_from_a_pre_pass(layout, Lq, normalize, give
     launch_backward.plans.clear()
     names = [name for name, _ in launches]
     assert names.count("inverse_norms_kernel") == int(normalize and not given), "the backward's own norms"
+
+
+@pytest.mark.parametrize(
+    "layout, Lq, case, given",
+    [
+        ("candidates", 32, "plain", False),  # each tile read once: the tiles' own sums of squares
+        ("pair list", 32, "plain", False),
+        ("candidates", 32, "setting", True),  # PRENORM_UNSHARED_SCORES = 1: the pre-pass, as for training
+        ("candidates", 32, "thin table", True),  # 32-row blocks in the once-read table loop keep the pre-pass
+        ("candidates", 64, "wide table", False),  # 64-row blocks there sum their tiles
+        ("candidates", 32, "deep pipeline", True),  # fewer programs than multiprocessors keep the pre-pass
+        ("candidates", 32, "document chunks", True),
+        ("cross", 200, "plain", True),  # split queries: several programs read each tile (PRENORM_MIN_ROW_BLOCKS)
+    ],
+)
+def test_scores_only_forward_of_unshared_documents_sums_its_tiles(layout, Lq, case, given, monkeypatch):
+    """Inference with ``normalize=True`` over documents scored by one query each reads every tile once: it sums the
+    tiles' squares instead of a pre-pass over D, except where launch_settings.PRENORM_UNSHARED_SCORES says the
+    pre-pass measured faster (a thin block in the once-read table loop, few programs) or asks for it."""
+    from maxsim import ops
+    from maxsim.kernels import launch_forward, launch_settings
+
+    launches = _recorded_launches(monkeypatch)
+    if case == "setting":
+        monkeypatch.setattr(launch_settings, "PRENORM_UNSHARED_SCORES", 1)
+    if case.endswith("table"):
+        monkeypatch.setattr(launch_forward, "once_read_scan", lambda *args: "table")
+    if case == "deep pipeline":
+        monkeypatch.setattr(launch_forward, "deep_pipelined", lambda *args: True)
+    if case == "document chunks":
+        monkeypatch.setattr(launch_forward, "document_chunks", lambda *args: (2, 32))
+    Q, D, rg = _norm_case(layout, Lq)
+    launch_forward.plans.clear()
+    _s, _arg, norms = ops.forward_impl(Q, D, None, None, True, False, "triton", rg)
+    launch_forward.plans.clear()
+    assert (norms is not None) == given
+    names = [name for name, _ in launches]
+    assert names.count("inverse_norms_kernel") == int(given)
+    fwd = [c for name, c in launches if name == "maxsim_fwd_kernel"]
+    assert len(fwd) == 1 and fwd[0]["NORMALIZE"] and fwd[0]["NORMS_GIVEN"] == given

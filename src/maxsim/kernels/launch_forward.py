@@ -107,6 +107,7 @@ def plan_key(
         None if q_mask is None else q_mask.stride(), None if d_mask is None else d_mask.stride(), normalize,
         need_argmax, torch.get_float32_matmul_precision() if Q.dtype == torch.float32 else None, ragged_plan_key(rg),
         settings.PRENORM_MIN_ROW_BLOCKS, settings.PRENORM_MIN_QUERY_BLOCKS, settings.PRENORM_UNSHARED,
+        settings.PRENORM_UNSHARED_SCORES,
         settings.STREAM_ONCE_READ, settings.STREAM_L2_RANGE, settings.STREAM_MASKED_MIN_BLOCK_K,
         settings.STREAM_UNSHARED_MAX_ROWS, settings.STREAM_SHARED_MAX_ROWS, settings.ONCE_READ_TABLE_L2,
         settings.ONCE_READ_TABLE, settings.ONCE_READ_WIDE_TABLE_L2, settings.DEEP_PIPELINE,
@@ -189,9 +190,9 @@ def forward_keeping_norms(
     # summed afterwards in a fixed order.
     n_rsplit = cdiv(Lq, cfg.TQ)
     n_programs = n_qblocks * n_rsplit * K  # (one per document and row block)
-    stream = False
+    stream, scan, deep = False, None, False
     if from_table and deep_pipelined(n_programs, cfg, Ld, D):
-        cfg = deep_pipeline_config(cfg)
+        cfg, deep = deep_pipeline_config(cfg), True
     else:
         scan = None if need_argmax else once_read_scan(sg, shared, n_qblocks, n_rsplit, cfg, D, d_mask is not None, K)
         stream = scan == "stream"
@@ -214,9 +215,15 @@ def forward_keeping_norms(
     n_dsplit, chunk_len = 1, 0
     if docs_per_prog == 1:
         n_dsplit, chunk_len = document_chunks(n_programs, Ld, cfg.BLOCK_N, Q.device)
+    # (unshared documents: a training forward hands the norms on to the backward; a scores-only one sums its tiles'
+    # squares, but for thin blocks in the once-read table loop and for few programs: see PRENORM_UNSHARED_SCORES)
+    thin_table = scan == "table" and cfg.BQ * cfg.TQ <= 32
+    prenorm_unshared = bool(settings.PRENORM_UNSHARED) and (
+        need_argmax or thin_table or deep or n_dsplit > 1 or bool(settings.PRENORM_UNSHARED_SCORES)
+    )
     norms_given = normalize and (
         n_rsplit >= settings.PRENORM_MIN_ROW_BLOCKS
-        or (n_qblocks >= settings.PRENORM_MIN_QUERY_BLOCKS if shared else bool(settings.PRENORM_UNSHARED))
+        or (n_qblocks >= settings.PRENORM_MIN_QUERY_BLOCKS if shared else prenorm_unshared)
     )
     combine = None
     if n_dsplit > 1:
