@@ -113,13 +113,14 @@ PRENORM_MIN_QUERY_BLOCKS = 2
 PRENORM_UNSHARED = 1
 # ... but a scores-only forward (inference) reads each of those tiles once: there the pre-pass is a second read of D
 # and a launch more of host time, and the tiles' own sums of squares cost less, except for blocks of at most 32 rows
-# in the once-read table loop (ONCE_READ_TABLE_L2), whose tiles carry half the product of a 64-row block's. H200,
-# normalize=True, the call's time in one process (tools/knobs.py infer --normalize, 5 rounds), pre-pass -> tile
-# sums: candidates 64x20 Lq64 Ld300 (the table, 64 rows) 89.4 -> 60.2 us, 16x100 Lq23 Ld333 dim 48 72.8 -> 30.5,
-# 32x50 Lq32 Ld180 55.1 -> 50.7, 32x7 Lq23 Ld333 dim 48 85.1 -> 19.5 (host-bound), pairs 1000 Lq23 Ld333 dim 96
-# 57.9 -> 51.7; candidates 32x100 Lq32 Ld256 (the table, 32 rows) 118.4 -> 125.0, which keeps the pre-pass, as do
+# in the once-read table loop (ONCE_READ_TABLE_L2), whose tiles carry half the product of a 64-row block's, and
 # launches of fewer programs than multiprocessors (the deep pipeline, documents in chunks), whose tiles' latency the
-# squares lengthen: pairs 64 Lq32 Ld2048 35.6 -> 63.2 us (tools/ab_steps.py infer --normalize).
+# squares lengthen. H200, normalize=True, in one process against the pre-pass for all (tools/ab_steps.py infer
+# --normalize, benchmarks/results/partial/h200-ab-masked-normalized-7938a8d.txt): candidates 64x20 Lq64 Ld300 (the
+# table, 64 rows) 89.1 -> 60.0 us, 32x100 Lq48 Ld256 137.6 -> 101.6, 128x7 Lq32 Ld1024 dim 64 72.9 -> 43.8, 16x100
+# Lq23 Ld333 dim 48 46.7 -> 30.4, 32x50 Lq32 Ld180 56.4 -> 50.9, 32x7 Lq23 Ld333 dim 48 55.3 -> 16.9 (host-bound),
+# pairs 1000 Lq23 Ld333 dim 96 57.9 -> 51.8; the sums everywhere lost on candidates 32x100 Lq32 Ld256 (the table, 32
+# rows: 118.4 -> 125.0 us, tools/knobs.py) and pairs 64 Lq32 Ld2048 (64 programs: 35.6 -> 63.2).
 # 1: the pre-pass for every forward of unshared documents.
 PRENORM_UNSHARED_SCORES = 0
 # How much faster one-document programs run than a persistent plan of one program per multiprocessor counts them
