@@ -71,16 +71,14 @@ def _stream_tile(
     (``evict_first``): no other program reads it, and a pass over a corpus then replaces its own lines instead of
     the queries or lines another kernel left dirty, whose write-back would take HBM bandwidth in the middle of the
     pass. (Triton drops the hint from the asynchronous copies of its pipeliner, so these loads are plain ones,
-    issued one tile ahead by the caller.) Nothing is read where ``live`` is false; with a mask, only the columns
-    ``ok`` (:func:`_tile_ok`); without one, rows past ``d_len`` read its last token (no row predicate)."""
+    issued one tile ahead by the caller.) Nothing is read where ``live`` is false; rows past ``d_len`` read its
+    last token (no row predicate), and masked tokens are read too (the select after the product drops their
+    columns, as :func:`_chunk_product`'s): the loads need not wait for the tile's mask (``ok``)."""
     rows = tl.minimum(n0 + tl.arange(0, BLOCK_N), d_len - 1)
     kd = tl.arange(0, BLOCK_K)
     ptrs = d_base + rows[:, None] * sd_l + kd[None, :]
-    if HAS_DMASK:  # (masked tokens are not read: they may hold NaN/inf, and their bytes are not needed)
-        return tl.load(ptrs, mask=ok[:, None] & (kd[None, :] < dim), other=0.0, eviction_policy="evict_first")
-    else:
-        lim = dim * live.to(tl.int32)  # (a scalar folded into the column bound: no predicate of its own)
-        return tl.load(ptrs, mask=kd[None, :] < lim, other=0.0, eviction_policy="evict_first")
+    lim = dim * live.to(tl.int32)  # (a scalar folded into the column bound: no predicate of its own)
+    return tl.load(ptrs, mask=kd[None, :] < lim, other=0.0, eviction_policy="evict_first")
 
 
 @triton.jit
