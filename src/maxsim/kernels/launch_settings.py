@@ -116,7 +116,7 @@ PRENORM_UNSHARED = 1
 # in the once-read table loop (ONCE_READ_TABLE_L2), whose tiles carry half the product of a 64-row block's, and
 # launches of fewer programs than multiprocessors (the deep pipeline, documents in chunks), whose tiles' latency the
 # squares lengthen. H200, normalize=True, in one process against the pre-pass for all (tools/ab_steps.py infer
-# --normalize, benchmarks/results/partial/h200-ab-masked-normalized-7938a8d.txt): candidates 64x20 Lq64 Ld300 (the
+# --normalize, benchmarks/results/partial/h200-ab-masked-normalized.txt): candidates 64x20 Lq64 Ld300 (the
 # table, 64 rows) 89.1 -> 60.0 us, 32x100 Lq48 Ld256 137.6 -> 101.6, 128x7 Lq32 Ld1024 dim 64 72.9 -> 43.8, 16x100
 # Lq23 Ld333 dim 48 46.7 -> 30.4, 32x50 Lq32 Ld180 56.4 -> 50.9, 32x7 Lq23 Ld333 dim 48 55.3 -> 16.9 (host-bound),
 # pairs 1000 Lq23 Ld333 dim 96 57.9 -> 51.8; the sums everywhere lost on candidates 32x100 Lq32 Ld256 (the table, 32
