@@ -64,16 +64,14 @@ def _tile_ok(dm_doc, n0, d_len, sdm_l, BLOCK_N: tl.constexpr, HAS_DMASK: tl.cons
 
 
 @triton.jit
-def _stream_tile(
-    d_base, n0, d_len, sd_l, dim, live, ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_DMASK: tl.constexpr
-):  # fmt: skip
+def _stream_tile(d_base, n0, d_len, sd_l, dim, live, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The document tile ``[n0, n0 + BLOCK_N)``, loaded into registers as the first lines to leave the L2
     (``evict_first``): no other program reads it, and a pass over a corpus then replaces its own lines instead of
     the queries or lines another kernel left dirty, whose write-back would take HBM bandwidth in the middle of the
     pass. (Triton drops the hint from the asynchronous copies of its pipeliner, so these loads are plain ones,
     issued one tile ahead by the caller.) Nothing is read where ``live`` is false; rows past ``d_len`` read its
     last token (no row predicate), and masked tokens are read too (the select after the product drops their
-    columns, as :func:`_chunk_product`'s): the loads need not wait for the tile's mask (``ok``)."""
+    columns, as :func:`_chunk_product`'s): the loads need not wait for the tile's mask."""
     rows = tl.minimum(n0 + tl.arange(0, BLOCK_N), d_len - 1)
     kd = tl.arange(0, BLOCK_K)
     ptrs = d_base + rows[:, None] * sd_l + kd[None, :]
@@ -83,12 +81,11 @@ def _stream_tile(
 
 @triton.jit
 def _first_tile(
-    d_base, d_len, sd_l, dim, live, ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_DMASK: tl.constexpr,
-    STREAM_D: tl.constexpr,
+    d_base, d_len, sd_l, dim, live, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STREAM_D: tl.constexpr
 ):  # fmt: skip
     """The first tile a ``STREAM_D`` tile loop scans (:func:`_stream_tile`); zeros, never read, otherwise."""
     if STREAM_D:
-        return _stream_tile(d_base, 0, d_len, sd_l, dim, live, ok, BLOCK_N, BLOCK_K, HAS_DMASK)
+        return _stream_tile(d_base, 0, d_len, sd_l, dim, live, BLOCK_N, BLOCK_K)
     else:
         return tl.zeros([BLOCK_N, BLOCK_K], dtype=d_base.dtype.element_ty)
 
@@ -273,17 +270,15 @@ def _row_block(
     m2 = tl.full([BLOCK_M, BLOCK_N], float("-inf"), dtype=tl.float32)
     a2 = _argmax_slots(BLOCK_M, BLOCK_N, SAVE_ARGMAX)
     any_valid = tl.zeros([BLOCK_N], dtype=tl.int32)
-    # STREAM_D: a tile's mask one tile ahead of its tokens, which are one tile ahead of their MMA.
+    # STREAM_D: a tile's tokens one tile ahead of their MMA, its mask (for the select after it) one tile further.
     MASK_AHEAD: tl.constexpr = HAS_DMASK and STREAM_D
     ok = _tile_ok(dm_doc, 0, d_len, sdm_l, BLOCK_N, MASK_AHEAD)
-    dt = _first_tile(d_base, d_len, sd_l, dim, d_len > 0, ok, BLOCK_N, BLOCK_K, HAS_DMASK, STREAM_D)
+    dt = _first_tile(d_base, d_len, sd_l, dim, d_len > 0, BLOCK_N, BLOCK_K, STREAM_D)
     ok_next = _tile_ok(dm_doc, BLOCK_N, d_len, sdm_l, BLOCK_N, MASK_AHEAD)
     for n0 in range(0, d_len, BLOCK_N):
         dt_pre, ok_pre = dt, ok
         if STREAM_D:  # the next tile's loads in flight during this one's MMA
-            dt = _stream_tile(
-                d_base, n0 + BLOCK_N, d_len, sd_l, dim, n0 + BLOCK_N < d_len, ok_next, BLOCK_N, BLOCK_K, HAS_DMASK
-            )
+            dt = _stream_tile(d_base, n0 + BLOCK_N, d_len, sd_l, dim, n0 + BLOCK_N < d_len, BLOCK_N, BLOCK_K)
             ok = ok_next
             ok_next = _tile_ok(dm_doc, n0 + 2 * BLOCK_N, d_len, sdm_l, BLOCK_N, MASK_AHEAD)
         m2, a2, any_valid = _scan_tile(
@@ -411,7 +406,7 @@ def maxsim_fwd_kernel(
         MASK_AHEAD: tl.constexpr = HAS_DMASK and STREAM_D
         dm_row = DM + b * sdm_b + k_lo * sdm_k
         ok = _tile_ok(dm_row, 0, tl.where(n_it > 0, Ld, 0), sdm_l, BLOCK_N, MASK_AHEAD)
-        dt = _first_tile(D + b * sd_b + k_lo * sd_k, Ld, sd_l, dim, n_it > 0, ok, BLOCK_N, BLOCK_K, HAS_DMASK, STREAM_D)
+        dt = _first_tile(D + b * sd_b + k_lo * sd_k, Ld, sd_l, dim, n_it > 0, BLOCK_N, BLOCK_K, STREAM_D)
         dm_next = dm_row + (1 // n_tiles) * sdm_k
         ok_next = _tile_ok(dm_next, (1 % n_tiles) * BLOCK_N, tl.where(n_it > 1, Ld, 0), sdm_l, BLOCK_N, MASK_AHEAD)
         for it in range(0, n_it):
@@ -421,7 +416,7 @@ def maxsim_fwd_kernel(
             if STREAM_D:
                 d_next = D + b * sd_b + (k_lo + (it + 1) // n_tiles) * sd_k
                 n_next = ((it + 1) % n_tiles) * BLOCK_N
-                dt = _stream_tile(d_next, n_next, Ld, sd_l, dim, it + 1 < n_it, ok_next, BLOCK_N, BLOCK_K, HAS_DMASK)
+                dt = _stream_tile(d_next, n_next, Ld, sd_l, dim, it + 1 < n_it, BLOCK_N, BLOCK_K)
                 ok = ok_next
                 dm_next = dm_row + ((it + 2) // n_tiles) * sdm_k
                 n_next = ((it + 2) % n_tiles) * BLOCK_N
