@@ -105,18 +105,10 @@ def test_one_side_projects_alone(device):
 def test_backward_programs_project_the_rows_they_hold(case, fused_q, fused_d, monkeypatch):
     """With normalize, the dQ gather and a dD owner of whole rows apply the chain rule before storing; what they do
     not hold goes through one projection launch (and nothing else runs: no casts, no PyTorch passes)."""
-    from maxsim.kernels import launch, launch_args, launch_backward, launch_settings, launcher
+    from maxsim.kernels import launch, launch_backward, launch_settings
     from maxsim.layout import Ragged
 
-    launches: list = []
-
-    def record(
-        self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0, foreign=None
-    ):
-        launches.append((self.kernel.__name__, constexprs))
-
-    monkeypatch.setattr(launcher.Launcher, "__call__", record)
-    monkeypatch.setattr(launch_args, "INTERPRETER", False)
+    launches = _recorded_launches(monkeypatch)
     dim = 256 if case == "dim 256" else 64
     Q, D, rg = torch.randn(4, 8, dim), torch.randn(1, 5, 40, dim), None
     if case == "candidates":
