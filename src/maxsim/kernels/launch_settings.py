@@ -138,11 +138,13 @@ ONE_DOC_GAIN = 1.3
 # below: candidates 32x7 dim 48 (7 MB) 10.1 -> 11.1; 256-row blocks (7x1000 dim 96, 8 queries packed) 60.0 -> 68.8.
 # Training forwards (the argmax loop) keep the pipelined loop: GPU time of the forward, candidates 64x32 Ld180
 # 42.7 -> 43.6 us, pairs 512 Ld300 23.0 -> 25.1 us, candidates 256x16 Ld300 124.4 -> 126.9 us.
-# With a document mask (v39: the mask of a tile is loaded a tile ahead of its tokens, whose loads it predicates):
-# 1x1000 Ld300 40.2 -> 38.2 us, candidates 32x50 40.5 -> 37.8, 32x100 86.0 -> 79.8 (prefix masks), but dim 48 in
-# 32-token tiles 48.9 -> 60.2 (a tile's work too short to hide the mask's latency): masked scans stream from
-# STREAM_MASKED_MIN_BLOCK_K dims up. A query's own documents stream for queries of up to STREAM_UNSHARED_MAX_ROWS
-# rows (33-64 tokens: 32-token tiles, configs.streaming_config), shared documents for STREAM_SHARED_MAX_ROWS. H100,
+# With a document mask (v39: the mask of a tile is loaded a tile ahead of its tokens, whose loads it predicated
+# until v131): 1x1000 Ld300 40.2 -> 38.2 us, candidates 32x50 40.5 -> 37.8, 32x100 86.0 -> 79.8 (prefix masks), but
+# dim 48 in 32-token tiles 48.9 -> 60.2 (a tile's work too short to hide the mask's latency): masked scans stream
+# from STREAM_MASKED_MIN_BLOCK_K dims up. (Measured before v131's unpredicated loads, which took the masked streams
+# 0.87-0.88x; narrower masked scans were not measured again.) A query's own documents stream for queries of up to
+# STREAM_UNSHARED_MAX_ROWS rows (33-64 tokens: 32-token tiles, configs.streaming_config), shared documents for
+# STREAM_SHARED_MAX_ROWS. H100,
 # in-process (`.devdata` sweep, docs/performance.md v49): candidates 64x20 Lq64 Ld300 53.2 -> 45.4 us, 32x100 Lq48
 # Ld256 95.9 -> 82.2, 16x100 Lq64 Ld512 dim 64 60.5 -> 45.1, but pairs 1000 Lq64 Ld333 dim 96 42.0 -> 43.6; one
 # query of 64 rows against shared documents gains less (1x1000 Ld300 41.2 -> 40.7, 1x5000 Ld180 93.0 -> 91.6, 2
