@@ -104,11 +104,11 @@ def _argmax_slots(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SAVE_ARGMAX: tl.
 def _chunk_product(
     s, sumsq, qt, q_rows, row_ok, d_base, cols, d_len, dim, sd_l, kc, dt_pre, BLOCK_K: tl.constexpr,
     NUM_K: tl.constexpr, SUMSQ: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    STREAM_D: tl.constexpr,
+    STREAM_D: tl.constexpr, DOC_ROWS: tl.constexpr,
 ):  # fmt: skip
-    """Dim chunk ``kc`` of a tile's similarities added into ``s [rows, BLOCK_N]`` (and its tokens' squares into
-    ``sumsq [BLOCK_N]`` where ``SUMSQ``). With one chunk, ``qt`` is the query block; ``STREAM_D``: ``dt_pre`` is the
-    tile."""
+    """Dim chunk ``kc`` of a tile's similarities added into ``s [rows, BLOCK_N]`` (``DOC_ROWS``: ``[BLOCK_N,
+    rows]``, ``qt`` then the query block transposed) and its tokens' squares into ``sumsq [BLOCK_N]`` where
+    ``SUMSQ``. With one chunk, ``qt`` is the query block; ``STREAM_D``: ``dt_pre`` is the tile."""
     if NUM_K > 1:
         qt = _load_q_chunk(q_rows, row_ok, kc, dim, BLOCK_K, UPCAST)
     kd = kc * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -127,7 +127,30 @@ def _chunk_product(
         sumsq += tl.sum(dtf * dtf, axis=1)
     if UPCAST:
         dt = dt.to(tl.float32)
-    return tl.dot(qt, tl.trans(dt), s, input_precision=DOT_PRECISION), sumsq
+    if DOC_ROWS:
+        s = tl.dot(dt, qt, s, input_precision=DOT_PRECISION)
+    else:
+        s = tl.dot(qt, tl.trans(dt), s, input_precision=DOT_PRECISION)
+    return s, sumsq
+
+
+@triton.jit
+def _per_token(v, DOC_ROWS: tl.constexpr):
+    """``v [BLOCK_N]`` (one value a document token) broadcast against a tile's similarities: a row ``[1, BLOCK_N]``,
+    or (``DOC_ROWS``) a column ``[BLOCK_N, 1]``."""
+    if DOC_ROWS:
+        return v[:, None]
+    else:
+        return v[None, :]
+
+
+@triton.jit
+def _fresh_max(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOC_ROWS: tl.constexpr):
+    """The running max before a row block's first tile: ``[BLOCK_M, BLOCK_N]`` of -inf (``DOC_ROWS``: transposed)."""
+    if DOC_ROWS:
+        return tl.full([BLOCK_N, BLOCK_M], float("-inf"), dtype=tl.float32)
+    else:
+        return tl.full([BLOCK_M, BLOCK_N], float("-inf"), dtype=tl.float32)
 
 
 @triton.jit
@@ -135,12 +158,17 @@ def _scan_tile(
     qt, q_rows, row_ok, d_base, dm_doc, inv_doc, n0, d_len, dim, sd_l, sdm_l, sid_l, m2, a2, any_valid, dt_pre,
     ok_pre, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, HAS_DMASK: tl.constexpr,
     NORMALIZE: tl.constexpr, NORMS_GIVEN: tl.constexpr, SAVE_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, EARLY_NORMS: tl.constexpr, STREAM_D: tl.constexpr,
+    UPCAST: tl.constexpr, EARLY_NORMS: tl.constexpr, STREAM_D: tl.constexpr, DOC_ROWS: tl.constexpr,
 ):  # fmt: skip
     """One document tile ``[n0, n0 + BLOCK_N)`` folded into the running max ``m2`` (and argmax ``a2``) of shape
     ``[rows, BLOCK_N]``; ``any_valid [BLOCK_N]`` remembers whether a column slot ever held a valid token.
     ``STREAM_D`` (one dim chunk): the tile is ``dt_pre`` and its valid columns ``ok_pre``, loaded by the caller
-    (``_stream_tile``, ``_tile_ok``)."""
+    (``_stream_tile``, ``_tile_ok``).
+
+    ``DOC_ROWS`` (one dim chunk, no argmax): the document's tokens are the MMA's rows, ``s`` and ``m2`` are
+    ``[BLOCK_N, rows]`` and ``qt`` is the query block transposed. A token's inverse norm then scales a row of
+    ``s``, which the registers that sum its squares already hold in the product's row layout: normalizing costs
+    the squares only, not a layout change of the norms through shared memory each tile."""
     cols = n0 + tl.arange(0, BLOCK_N)
     in_doc = cols < d_len
     col_ok = in_doc
@@ -148,7 +176,10 @@ def _scan_tile(
         col_ok = ok_pre
     elif HAS_DMASK:  # (written out, not _tile_ok: the call cost a masked persistent variant 12 registers)
         col_ok = col_ok & (tl.load(dm_doc + cols * sdm_l, mask=in_doc, other=0) != 0)
-    s = tl.zeros([qt.shape[0], BLOCK_N], dtype=tl.float32)
+    if DOC_ROWS:
+        s = tl.zeros([BLOCK_N, qt.shape[1]], dtype=tl.float32)
+    else:
+        s = tl.zeros([qt.shape[0], BLOCK_N], dtype=tl.float32)
     SUMSQ: tl.constexpr = NORMALIZE and not NORMS_GIVEN
     sumsq = tl.zeros([BLOCK_N if SUMSQ else 1], dtype=tl.float32)  # (without SUMSQ, a stand-in passed along)
     if NORMALIZE and NORMS_GIVEN and EARLY_NORMS:  # (BLOCK_N floats, loaded before the MMA: it hides their latency)
@@ -159,26 +190,26 @@ def _scan_tile(
         for kc in range(NUM_K):
             s, sumsq = _chunk_product(
                 s, sumsq, qt, q_rows, row_ok, d_base, cols, d_len, dim, sd_l, kc, dt_pre, BLOCK_K, NUM_K, SUMSQ,
-                DOT_PRECISION, UPCAST, STREAM_D,
+                DOT_PRECISION, UPCAST, STREAM_D, DOC_ROWS,
             )  # fmt: skip
     else:
         for kc in tl.static_range(NUM_K):
             s, sumsq = _chunk_product(
                 s, sumsq, qt, q_rows, row_ok, d_base, cols, d_len, dim, sd_l, kc, dt_pre, BLOCK_K, NUM_K, SUMSQ,
-                DOT_PRECISION, UPCAST, STREAM_D,
+                DOT_PRECISION, UPCAST, STREAM_D, DOC_ROWS,
             )  # fmt: skip
     if NORMALIZE:
         if SUMSQ:  # (the sum of squares of a tile costs a layout round trip)
             inv_cols = 1.0 / tl.maximum(tl.sqrt(sumsq), NORM_EPS)
         elif not EARLY_NORMS:
             inv_cols = tl.load(inv_doc + cols * sid_l, mask=col_ok, other=0.0)
-        s = s * inv_cols[None, :]
+        s = s * _per_token(inv_cols, DOC_ROWS)
     # The running max costs ALU instructions per element that the MMA does not hide; a full tile of a document
     # without a mask has nothing to mask, so only a document's last tile (or a masked document) pays the select.
     if HAS_DMASK:
-        s = tl.where(col_ok[None, :], s, float("-inf"))
+        s = tl.where(_per_token(col_ok, DOC_ROWS), s, float("-inf"))
     elif n0 + BLOCK_N > d_len:
-        s = tl.where(in_doc[None, :], s, float("-inf"))
+        s = tl.where(_per_token(in_doc, DOC_ROWS), s, float("-inf"))
     if SAVE_ARGMAX:
         # a2 is the winning tile's offset minus the next tile's (an integer in fp32, exact below 2^24): a tile
         # that does not beat the running max (strict: an earlier tile keeps a tie; NaN never beats) keeps the
@@ -195,11 +226,12 @@ def _scan_tile(
 def _finish_rows(
     m2, a2, n_end, any_valid, qt, q_rows, inv_rows, row_ok, dim,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, NORMALIZE: tl.constexpr,
-    NORMS_GIVEN: tl.constexpr, SAVE_ARGMAX: tl.constexpr, UPCAST: tl.constexpr,
+    NORMS_GIVEN: tl.constexpr, SAVE_ARGMAX: tl.constexpr, UPCAST: tl.constexpr, DOC_ROWS: tl.constexpr,
 ):  # fmt: skip
     """Row maxima of one row block after its last tile: ``(value [rows] (0 where the row is not live), argmax
-    [rows] (-1 there), live [rows])``; the cross-lane reduction happens here, once per row block."""
-    m = tl.reduce(m2, 1, nan_max)
+    [rows] (-1 there), live [rows])``; the cross-lane reduction happens here, once per row block. ``qt`` is the
+    query block as loaded (not transposed)."""
+    m = tl.reduce(m2, 0 if DOC_ROWS else 1, nan_max)
     a = tl.zeros([qt.shape[0]], dtype=tl.int32)  # (unused when no argmax is kept)
     if SAVE_ARGMAX:
         # Each slot's winning token (tile offsets from the end of the last tile scanned, n_end; integers in fp32,
@@ -222,6 +254,16 @@ def _finish_rows(
         m = m * (1.0 / tl.maximum(tl.sqrt(sumsq_q), NORM_EPS))
     row_live = row_ok & (tl.zeros([qt.shape[0]], dtype=tl.int32) + tl.max(any_valid, axis=0) > 0)
     return tl.where(row_live, m, 0.0), tl.where(row_live, a, -1), row_live
+
+
+@triton.jit
+def _mma_queries(qt, DOC_ROWS: tl.constexpr):
+    """The query block as the tile product takes it: ``[rows, BLOCK_K]``, or transposed for ``DOC_ROWS`` (once,
+    before the tile loop)."""
+    if DOC_ROWS:
+        return tl.trans(qt)
+    else:
+        return qt
 
 
 @triton.jit
@@ -257,7 +299,7 @@ def _row_block(
     TQ: tl.constexpr, BQ: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
     HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr, NORMALIZE: tl.constexpr, NORMS_GIVEN: tl.constexpr,
     SAVE_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, EARLY_NORMS: tl.constexpr,
-    STREAM_D: tl.constexpr,
+    STREAM_D: tl.constexpr, DOC_ROWS: tl.constexpr,
 ):  # fmt: skip
     """Rows ``t0 .. t0 + TQ`` of the program's packed queries against one document: ``(token index t, value
     [rows] (0 where a row is not live), argmax [rows] (-1 there; unset without SAVE_ARGMAX), live [rows])``."""
@@ -267,9 +309,10 @@ def _row_block(
     )
     # Running max per (row, column slot) across tiles: one max (and one select for the argmax) per element
     # per tile; the cross-lane row reduction happens once per row block instead of once per tile.
-    m2 = tl.full([BLOCK_M, BLOCK_N], float("-inf"), dtype=tl.float32)
+    m2 = _fresh_max(BLOCK_M, BLOCK_N, DOC_ROWS)
     a2 = _argmax_slots(BLOCK_M, BLOCK_N, SAVE_ARGMAX)
     any_valid = tl.zeros([BLOCK_N], dtype=tl.int32)
+    q_op = _mma_queries(qt, DOC_ROWS)
     # STREAM_D: a tile's tokens one tile ahead of their MMA, its mask (for the select after it) one tile further.
     MASK_AHEAD: tl.constexpr = HAS_DMASK and STREAM_D
     ok = _tile_ok(dm_doc, 0, d_len, sdm_l, BLOCK_N, MASK_AHEAD)
@@ -282,13 +325,13 @@ def _row_block(
             ok = ok_next
             ok_next = _tile_ok(dm_doc, n0 + 2 * BLOCK_N, d_len, sdm_l, BLOCK_N, MASK_AHEAD)
         m2, a2, any_valid = _scan_tile(
-            qt, q_rows, row_ok, d_base, dm_doc, inv_doc, n0, d_len, dim, sd_l, sdm_l, sid_l, m2, a2,
+            q_op, q_rows, row_ok, d_base, dm_doc, inv_doc, n0, d_len, dim, sd_l, sdm_l, sid_l, m2, a2,
             any_valid, dt_pre, ok_pre, BLOCK_N, BLOCK_K, NUM_K, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX,
-            DOT_PRECISION, UPCAST, EARLY_NORMS, STREAM_D,
+            DOT_PRECISION, UPCAST, EARLY_NORMS, STREAM_D, DOC_ROWS,
         )  # fmt: skip
     row_val, a, live = _finish_rows(
         m2, a2, tl.cdiv(d_len, BLOCK_N) * BLOCK_N, any_valid, qt, q_rows, iq_base + t * siq_l, row_ok, dim,
-        BLOCK_N, BLOCK_K, NUM_K, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX, UPCAST,
+        BLOCK_N, BLOCK_K, NUM_K, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX, UPCAST, DOC_ROWS,
     )  # fmt: skip
     return t, row_val, a, live
 
@@ -319,6 +362,7 @@ def maxsim_fwd_kernel(
     HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr, NORMALIZE: tl.constexpr, SAVE_ARGMAX: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PERSIST: tl.constexpr, NORMS_GIVEN: tl.constexpr,
     EARLY_NORMS: tl.constexpr, STREAM_D: tl.constexpr, DOC_SPLIT: tl.constexpr, PACKED: tl.constexpr,
+    DOC_ROWS: tl.constexpr,
 ):  # fmt: skip
     """Scores ``OUT [n_rsplit, Nq, K]`` and argmax ``ARG [Nq, K, Lq]``; a pair list runs as ``Nq = 1``, ``K`` =
     number of pairs, query and document of pair ``k`` read from ``PQ[k]``, ``PD[k]``.
@@ -344,6 +388,9 @@ def maxsim_fwd_kernel(
     ``PACKED`` (shared documents, ``Lq < TQ``, one row block a query): the block's ``BQ * TQ`` rows hold
     ``min(BQ * TQ // Lq, 2 * BQ)`` queries back to back, ``Lq`` rows each, instead of ``BQ`` queries in ``TQ``-row
     slots (23-token queries: 11 a 256-row block instead of 8), and ``n_qblocks`` counts such blocks.
+
+    ``DOC_ROWS`` (``NUM_K == 1``, no argmax): the tile product puts the document's tokens in the MMA's rows and the
+    query rows in its columns (see :func:`_scan_tile`).
 
     Every program holds one block of ``rows_per_prog <= TQ`` query rows (``rs``-th of ``n_rsplit``)."""
     BLOCK_M: tl.constexpr = BQ * TQ
@@ -398,9 +445,10 @@ def maxsim_fwd_kernel(
         n_tiles = tl.cdiv(Ld, BLOCK_N)
         k_lo = kk * docs_per_prog
         n_it = ((tl.minimum(K, k_lo + docs_per_prog) - k_lo) * n_tiles).to(tl.int32)  # int32 tile offsets
-        m2 = tl.full([BLOCK_M, BLOCK_N], float("-inf"), dtype=tl.float32)
+        m2 = _fresh_max(BLOCK_M, BLOCK_N, DOC_ROWS)
         a2 = _argmax_slots(BLOCK_M, BLOCK_N, SAVE_ARGMAX)
         any_valid = tl.zeros([BLOCK_N], dtype=tl.int32)
+        q_op = _mma_queries(qt, DOC_ROWS)
         # STREAM_D: tile it + 2's mask and tile it + 1's tokens in flight during tile it's MMA (of this document
         # or the next ones); a tile past the program's last one has no columns (nothing is read).
         MASK_AHEAD: tl.constexpr = HAS_DMASK and STREAM_D
@@ -422,22 +470,22 @@ def maxsim_fwd_kernel(
                 n_next = ((it + 2) % n_tiles) * BLOCK_N
                 ok_next = _tile_ok(dm_next, n_next, tl.where(it + 2 < n_it, Ld, 0), sdm_l, BLOCK_N, MASK_AHEAD)
             m2, a2, any_valid = _scan_tile(
-                qt, q_rows, row_ok, D + b * sd_b + k * sd_k, DM + b * sdm_b + k * sdm_k, INV_D + b * sid_b + k * sid_k,
-                n0, Ld, dim, sd_l, sdm_l, sid_l, m2, a2, any_valid, dt_pre, ok_pre,
+                q_op, q_rows, row_ok, D + b * sd_b + k * sd_k, DM + b * sdm_b + k * sdm_k,
+                INV_D + b * sid_b + k * sid_k, n0, Ld, dim, sd_l, sdm_l, sid_l, m2, a2, any_valid, dt_pre, ok_pre,
                 BLOCK_N, BLOCK_K, NUM_K, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX, DOT_PRECISION, UPCAST,
-                EARLY_NORMS, STREAM_D,
+                EARLY_NORMS, STREAM_D, DOC_ROWS,
             )  # fmt: skip
             if n0 + BLOCK_N >= Ld:  # the document's last tile: its scores, then a fresh running max
                 row_val, a, _live = _finish_rows(
                     m2, a2, n0 + BLOCK_N, any_valid, qt, q_rows, iq_base + t * siq_l, row_ok, dim, BLOCK_N, BLOCK_K,
-                    NUM_K, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX, UPCAST,
+                    NUM_K, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX, UPCAST, DOC_ROWS,
                 )  # fmt: skip
                 if SAVE_ARGMAX:
                     tl.store(ARG + (q_out.to(tl.int64) * K + k) * Lq + t, a, mask=q_in & (t < r_hi))
                 score = _slot_sums(row_val, slot, SLOTS, TQ, PACKED)
                 score = tl.where(q_bad_blk, float("nan"), score)
                 tl.store(OUT + (rs.to(tl.int64) * Nq + q_first) * K + k, score, mask=first_ok)
-                m2 = tl.full([BLOCK_M, BLOCK_N], float("-inf"), dtype=tl.float32)
+                m2 = _fresh_max(BLOCK_M, BLOCK_N, DOC_ROWS)
                 a2 = _argmax_slots(BLOCK_M, BLOCK_N, SAVE_ARGMAX)
                 any_valid = tl.zeros([BLOCK_N], dtype=tl.int32)
     else:
@@ -471,7 +519,7 @@ def maxsim_fwd_kernel(
                     r_lo, tok, q_in, q_len, r_hi, q_out, QM, sqm_n, sqm_l, q_base, sq_l, iq_base, siq_l, d_base,
                     dm_doc, inv_doc, tl.minimum(tl.maximum(d_len - c0, 0), chunk_len), dim, sd_l, sdm_l, sid_l,
                     TQ, BQ, BLOCK_N, BLOCK_K, NUM_K, HAS_QMASK, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX,
-                    DOT_PRECISION, UPCAST, EARLY_NORMS, STREAM_D,
+                    DOT_PRECISION, UPCAST, EARLY_NORMS, STREAM_D, DOC_ROWS,
                 )  # fmt: skip
                 pa = tl.where(live, a + c0, -1)
             at = ((chunk * Nq + q_out.to(tl.int64)) * K + kk) * Lq + t
@@ -490,7 +538,7 @@ def maxsim_fwd_kernel(
                     r_lo, tok, q_in, q_len, r_hi, q_out, QM, sqm_n, sqm_l, q_base, sq_l, iq_base, siq_l, d_base, dm_doc,
                     inv_doc, d_len, dim, sd_l, sdm_l, sid_l,
                     TQ, BQ, BLOCK_N, BLOCK_K, NUM_K, HAS_QMASK, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX,
-                    DOT_PRECISION, UPCAST, EARLY_NORMS, STREAM_D,
+                    DOT_PRECISION, UPCAST, EARLY_NORMS, STREAM_D, DOC_ROWS,
                 )  # fmt: skip
                 if SAVE_ARGMAX:
                     tl.store(ARG + (q_out.to(tl.int64) * K + kk) * Lq + t, a, mask=q_in & (t < r_hi))

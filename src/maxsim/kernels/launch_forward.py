@@ -112,7 +112,8 @@ def plan_key(
         settings.STREAM_UNSHARED_MAX_ROWS, settings.STREAM_SHARED_MAX_ROWS, settings.ONCE_READ_TABLE_L2,
         settings.ONCE_READ_TABLE, settings.ONCE_READ_WIDE_TABLE_L2, settings.DEEP_PIPELINE,
         settings.DEEP_PIPELINE_MIN_LD, settings.DOC_SPLIT_BELOW, settings.DOC_SPLIT_PROGRAMS_PER_SM,
-        settings.DOC_SPLIT_MIN_TILES, settings.PACK_ROWS,
+        settings.DOC_SPLIT_MIN_TILES, settings.PACK_ROWS, settings.DOC_ROWS, settings.DOC_ROWS_MAX_ROWS,
+        settings.DOC_ROWS_MIN_BLOCK_N,
     )  # fmt: skip
 
 
@@ -215,9 +216,10 @@ def forward_keeping_norms(
     n_dsplit, chunk_len = 1, 0
     if docs_per_prog == 1:
         n_dsplit, chunk_len = document_chunks(n_programs, Ld, cfg.BLOCK_N, Q.device)
+    may_doc_rows = doc_rows_eligible(cfg, need_argmax, D)
     # (unshared documents: a training forward hands the norms on to the backward; a scores-only one sums its tiles'
     # squares, but for thin blocks in the once-read table loop and for few programs: see PRENORM_UNSHARED_SCORES)
-    thin_table = scan == "table" and cfg.BQ * cfg.TQ <= 32
+    thin_table = scan == "table" and cfg.BQ * cfg.TQ <= 32 and not may_doc_rows
     prenorm_unshared = bool(settings.PRENORM_UNSHARED) and (
         need_argmax or thin_table or deep or n_dsplit > 1 or bool(settings.PRENORM_UNSHARED_SCORES)
     )
@@ -225,6 +227,7 @@ def forward_keeping_norms(
         n_rsplit >= settings.PRENORM_MIN_ROW_BLOCKS
         or (n_qblocks >= settings.PRENORM_MIN_QUERY_BLOCKS if shared else prenorm_unshared)
     )
+    doc_rows = may_doc_rows and (settings.DOC_ROWS >= 2 or (normalize and not norms_given))
     combine = None
     if n_dsplit > 1:
         n_pairs = Nq * K
@@ -255,7 +258,7 @@ def forward_keeping_norms(
             PERSIST=docs_per_prog > 1, NORMS_GIVEN=norms_given,
             # (a split query's scores-only loop ran 5 % slower with the early load: ColPali 357 -> 376 us)
             EARLY_NORMS=norms_given and (need_argmax or n_rsplit == 1),
-            STREAM_D=stream, DOC_SPLIT=n_dsplit > 1, PACKED=per_block > 0,
+            STREAM_D=stream, DOC_SPLIT=n_dsplit > 1, PACKED=per_block > 0, DOC_ROWS=doc_rows,
         ),
         cfg.num_warps,
         cfg.num_stages,
@@ -269,6 +272,20 @@ def forward_keeping_norms(
             plans.clear()
         plans[key] = plan
     return run_forward(plan, Q, D, q_mask, d_mask, (sg.qseg, sg.dseg, sg.pq, sg.pd), need_argmax)
+
+
+def doc_rows_eligible(cfg: ForwardConfig, need_argmax: bool, D: Tensor) -> bool:
+    """Whether a forward of ``cfg`` may put the document's tokens in the MMA's rows (forward.py's ``DOC_ROWS``; see
+    the DOC_ROWS setting): scores only, one dim chunk, 16-bit tokens, thin row blocks against tiles of at least
+    DOC_ROWS_MIN_BLOCK_N tokens."""
+    return (
+        settings.DOC_ROWS > 0
+        and not need_argmax
+        and cfg.NUM_K == 1
+        and D.element_size() == 2
+        and cfg.BQ * cfg.TQ <= settings.DOC_ROWS_MAX_ROWS
+        and cfg.BLOCK_N >= settings.DOC_ROWS_MIN_BLOCK_N
+    )
 
 
 def packed_queries(cfg: ForwardConfig, Nq: int, Lq: int, K: int, shared: bool, sms: int, itemsize: int) -> int:
