@@ -152,3 +152,25 @@ def test_doc_rows_computes_what_the_other_orientation_does(layout, normalize, de
     expected = ref(normalize)
     torch.testing.assert_close(runs[2].double(), expected, rtol=1e-5, atol=1e-5, equal_nan=True)
     assert torch.isnan(runs[2]).any(), "the NaN token reached a score"
+
+
+@pytest.mark.parametrize("scan", ["stream", "table"])
+@pytest.mark.parametrize(
+    "dim, normalize, expected",
+    [
+        (128, True, (64, True)),  # widened, in DOC_ROWS
+        (128, False, (32, False)),  # plain: the 32-token tiles, as planned
+        (64, True, (32, False)),  # narrow tokens: not widened
+    ],
+)
+def test_normalized_64_row_scans_widen_their_tiles(scan, dim, normalize, expected, device, monkeypatch):
+    """Once-read scans of 33-64-row blocks at 128 dims sum their tiles' squares in DOC_ROWS with 64-token tiles
+    where normalized (launch_settings.DOC_ROWS_SUMS_MAX_ROWS); plain ones and narrower tokens keep their tiles."""
+    monkeypatch.setattr(launch_forward, "once_read_scan", lambda *args: scan)
+    Q = torch.randn(2, 48, dim, dtype=DTYPE, device=device)
+    D = torch.randn(2, 5, 70, dim, dtype=DTYPE, device=device)
+    kernels_on(device)
+    seen = forward_launches(
+        monkeypatch, lambda: maxsim(Q, D, normalize=normalize), lambda c, w, s: (c["BLOCK_N"], c["DOC_ROWS"])
+    )
+    assert seen == [expected]

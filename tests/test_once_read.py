@@ -176,7 +176,11 @@ def test_once_read_wide_blocks_walk_documents_persistent(case, normalize, card, 
     runs = {}
     for persist in (configs.ONCE_READ_WIDE_PERSIST, 0):
         monkeypatch.setattr(configs, "ONCE_READ_WIDE_PERSIST", persist)
-        assert _launches(monkeypatch, lambda: maxsim(Q, Dc, normalize=normalize)) == [(False, 32, 4, 4, persist > 0)]
+        # (normalized: 64-token tiles, in DOC_ROWS; launch_settings.DOC_ROWS_SUMS_MAX_ROWS)
+        block_n = 64 if normalize else 32
+        assert _launches(monkeypatch, lambda: maxsim(Q, Dc, normalize=normalize)) == [
+            (False, block_n, 4, 4, persist > 0)
+        ]
         runs[persist] = maxsim(Q, Dc, normalize=normalize)
     one_each = runs.pop(0)
     (walked,) = runs.values()

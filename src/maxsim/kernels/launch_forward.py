@@ -8,6 +8,7 @@ lengths only, so calls are free of host↔device syncs and CUDA-graph capturable
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -113,7 +114,7 @@ def plan_key(
         settings.ONCE_READ_TABLE, settings.ONCE_READ_WIDE_TABLE_L2, settings.DEEP_PIPELINE,
         settings.DEEP_PIPELINE_MIN_LD, settings.DOC_SPLIT_BELOW, settings.DOC_SPLIT_PROGRAMS_PER_SM,
         settings.DOC_SPLIT_MIN_TILES, settings.PACK_ROWS, settings.DOC_ROWS, settings.DOC_ROWS_MAX_ROWS,
-        settings.DOC_ROWS_MIN_BLOCK_N,
+        settings.DOC_ROWS_MIN_BLOCK_N, settings.DOC_ROWS_SUMS_MAX_ROWS,
     )  # fmt: skip
 
 
@@ -199,6 +200,8 @@ def forward_keeping_norms(
         stream = scan == "stream"
         if scan is not None and from_table:
             cfg = streaming_config(cfg) if stream else once_read_config(cfg, Ld)
+            if normalize and widened_for_doc_rows(cfg):
+                cfg = replace(cfg, BLOCK_N=settings.DOC_ROWS_MIN_BLOCK_N)
         elif from_table and not need_argmax:
             cfg = scores_only_config(cfg, Lq)
     sqm = (0, 0) if q_mask is None else q_mask.stride()
@@ -216,7 +219,7 @@ def forward_keeping_norms(
     n_dsplit, chunk_len = 1, 0
     if docs_per_prog == 1:
         n_dsplit, chunk_len = document_chunks(n_programs, Ld, cfg.BLOCK_N, Q.device)
-    may_doc_rows = doc_rows_eligible(cfg, need_argmax, D)
+    may_doc_rows = doc_rows_eligible(cfg, need_argmax, D, settings.DOC_ROWS_MAX_ROWS)
     # (unshared documents: a training forward hands the norms on to the backward; a scores-only one sums its tiles'
     # squares, but for thin blocks in the once-read table loop and for few programs: see PRENORM_UNSHARED_SCORES)
     thin_table = scan == "table" and cfg.BQ * cfg.TQ <= 32 and not may_doc_rows
@@ -227,7 +230,9 @@ def forward_keeping_norms(
         n_rsplit >= settings.PRENORM_MIN_ROW_BLOCKS
         or (n_qblocks >= settings.PRENORM_MIN_QUERY_BLOCKS if shared else prenorm_unshared)
     )
-    doc_rows = may_doc_rows and (settings.DOC_ROWS >= 2 or (normalize and not norms_given))
+    sums_squares = normalize and not norms_given
+    row_bound = settings.DOC_ROWS_SUMS_MAX_ROWS if sums_squares else settings.DOC_ROWS_MAX_ROWS
+    doc_rows = doc_rows_eligible(cfg, need_argmax, D, row_bound) and (settings.DOC_ROWS >= 2 or sums_squares)
     combine = None
     if n_dsplit > 1:
         n_pairs = Nq * K
@@ -274,17 +279,32 @@ def forward_keeping_norms(
     return run_forward(plan, Q, D, q_mask, d_mask, (sg.qseg, sg.dseg, sg.pq, sg.pd), need_argmax)
 
 
-def doc_rows_eligible(cfg: ForwardConfig, need_argmax: bool, D: Tensor) -> bool:
+def doc_rows_eligible(cfg: ForwardConfig, need_argmax: bool, D: Tensor, max_rows: int) -> bool:
     """Whether a forward of ``cfg`` may put the document's tokens in the MMA's rows (forward.py's ``DOC_ROWS``; see
-    the DOC_ROWS setting): scores only, one dim chunk, 16-bit tokens, thin row blocks against tiles of at least
-    DOC_ROWS_MIN_BLOCK_N tokens."""
+    the DOC_ROWS setting): scores only, one dim chunk, 16-bit tokens, row blocks of at most ``max_rows`` rows
+    against tiles of at least DOC_ROWS_MIN_BLOCK_N tokens."""
+    rows = cfg.BQ * cfg.TQ
     return (
         settings.DOC_ROWS > 0
         and not need_argmax
         and cfg.NUM_K == 1
         and D.element_size() == 2
-        and cfg.BQ * cfg.TQ <= settings.DOC_ROWS_MAX_ROWS
+        and rows <= max_rows
         and cfg.BLOCK_N >= settings.DOC_ROWS_MIN_BLOCK_N
+    )
+
+
+def widened_for_doc_rows(cfg: ForwardConfig) -> bool:
+    """Whether a normalized once-read scan of ``cfg`` (the stream's or the table's) takes DOC_ROWS_MIN_BLOCK_N-token
+    tiles, to run in DOC_ROWS: blocks of more than DOC_ROWS_MAX_ROWS rows, up to DOC_ROWS_SUMS_MAX_ROWS, in one
+    128-wide dim chunk, planned with shorter tiles (see DOC_ROWS_SUMS_MAX_ROWS). Such a scan keeps the wider tiles
+    where it reads the norms from the pre-pass after all (documents in chunks, where their pre-pass is chosen)."""
+    rows = cfg.BQ * cfg.TQ
+    return (
+        settings.DOC_ROWS > 0
+        and settings.DOC_ROWS_MAX_ROWS < rows <= settings.DOC_ROWS_SUMS_MAX_ROWS
+        and cfg.BLOCK_K == 128
+        and cfg.BLOCK_N < settings.DOC_ROWS_MIN_BLOCK_N
     )
 
 

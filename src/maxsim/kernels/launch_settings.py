@@ -141,6 +141,13 @@ PRENORM_UNSHARED_SCORES = 0
 DOC_ROWS = 2
 DOC_ROWS_MAX_ROWS = 32
 DOC_ROWS_MIN_BLOCK_N = 64
+# Normalized forwards that sum their tiles' squares take DOC_ROWS for blocks of up to DOC_ROWS_SUMS_MAX_ROWS rows too,
+# the once-read scans of 33-64-row blocks at 128 dims with their tiles widened from 32 tokens to DOC_ROWS_MIN_BLOCK_N
+# (launch_forward.widened_for_doc_rows). H200, in-process, normalize=True, off -> DOC_ROWS with 64-token tiles
+# (h200-knobs-doc-rows.txt, "wide64"), us: candidates 64x20 Lq64 Ld300 60.4 -> 44.4, 32x100 Lq48 Ld256 102.7 -> 75.1,
+# 1x5000 Lq64 Ld180 113.5 -> 84.7. Not plain (those three 1.30-1.35x slower with 64-token tiles), nor narrower
+# tokens (dim 48 and 64 in 64-token tiles, 32-row blocks: 1.26-1.48x slower).
+DOC_ROWS_SUMS_MAX_ROWS = 64
 # How much faster one-document programs run than a persistent plan of one program per multiprocessor counts them
 # (two stay resident; see forward). Fitted to the H100 measurements there: any value in (1.13, 1.8) orders them.
 ONE_DOC_GAIN = 1.3
