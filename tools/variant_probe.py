@@ -49,6 +49,10 @@ SHAPES: tuple[tuple[str, str, int, int, int, int, int], ...] = (
     ("train", "candidates", 64, 32, 32, 180, 128),
     ("train", "cross", 64, 64, 23, 333, 96),
     ("train", "candidates", 64, 7, 23, 333, 48),
+    # (after the first eleven, which keep their seeds: blocks of 64 query rows, and long documents)
+    ("infer", "candidates", 64, 20, 64, 300, 128),
+    ("infer", "cross", 1, 5000, 64, 180, 128),
+    ("infer", "cross", 1, 1000, 32, 1024, 128),
 )
 VARIANTS = ("plain", "mask", "norm", "mask+norm")
 HOLES = 0.1  # fraction of a document's kept prefix masked out (punctuation)
