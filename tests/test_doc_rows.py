@@ -174,3 +174,20 @@ def test_normalized_64_row_scans_widen_their_tiles(scan, dim, normalize, expecte
         monkeypatch, lambda: maxsim(Q, D, normalize=normalize), lambda c, w, s: (c["BLOCK_N"], c["DOC_ROWS"])
     )
     assert seen == [expected]
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["dense", "masked"])
+def test_masked_normalized_64_row_scans_leave_the_stream(masked, device, monkeypatch):
+    """A masked, normalized once-read scan of a 64-row block that would stream (with its tiles widened for
+    DOC_ROWS) runs the pipelined loop in DOC_ROWS instead; unmasked, it streams."""
+    monkeypatch.setattr(launch_forward, "once_read_scan", lambda *args: "stream")
+    Q = torch.randn(2, 48, 128, dtype=DTYPE, device=device)
+    D = torch.randn(2, 5, 70, 128, dtype=DTYPE, device=device)
+    dm = rand_mask((2, 5, 70), seed=1, device=device) if masked else None
+    kernels_on(device)
+    seen = forward_launches(
+        monkeypatch,
+        lambda: maxsim(Q, D, d_mask=dm, normalize=True),
+        lambda c, w, s: (c["STREAM_D"], c["BLOCK_N"], c["DOC_ROWS"]),
+    )
+    assert seen == [(not masked, 64, True)]

@@ -74,12 +74,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--normalize", action="store_true", help="maxsim called with normalize=True")
+    ap.add_argument("--masked", action="store_true", help="maxsim called with an all-True d_mask")
     args = ap.parse_args()
     variants = dict(parse_variant(v) for v in args.variant)
     names = {n for s in variants.values() for n in s}
     defaults = {n: getattr(*_owner(n)) for n in names}
     dev, dt = torch.device("cuda"), torch.bfloat16
-    impl = MaxsimImpl(*_scorers(maxsim, True)) if args.normalize else MaxsimImpl()
+    plain = not (args.normalize or args.masked)
+    impl = MaxsimImpl() if plain else MaxsimImpl(*_scorers(maxsim, args.normalize, args.masked))
     for w in select(mode=args.mode, only=args.patterns or None, table=WORKLOADS + OFF_MATRIX + WIDE):
         inp = make_inputs(w, dev, dt, seed_of(w))
         if w.layout in RAGGED_LAYOUTS:

@@ -197,6 +197,8 @@ def forward_keeping_norms(
         cfg, deep = deep_pipeline_config(cfg), True
     else:
         scan = None if need_argmax else once_read_scan(sg, shared, n_qblocks, n_rsplit, cfg, D, d_mask is not None, K)
+        if scan == "stream" and normalize and d_mask is not None and widened_for_doc_rows(streaming_config(cfg)):
+            scan = None  # (the pipelined loop, in DOC_ROWS: see DOC_ROWS_SUMS_MAX_ROWS)
         stream = scan == "stream"
         if scan is not None and from_table:
             cfg = streaming_config(cfg) if stream else once_read_config(cfg, Ld)

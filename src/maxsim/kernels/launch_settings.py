@@ -146,7 +146,11 @@ DOC_ROWS_MIN_BLOCK_N = 64
 # (launch_forward.widened_for_doc_rows). H200, in-process, normalize=True, off -> DOC_ROWS with 64-token tiles
 # (h200-knobs-doc-rows.txt, "wide64"), us: candidates 64x20 Lq64 Ld300 60.4 -> 44.4, 32x100 Lq48 Ld256 102.7 -> 75.1,
 # 1x5000 Lq64 Ld180 113.5 -> 84.7. Not plain (those three 1.30-1.35x slower with 64-token tiles), nor narrower
-# tokens (dim 48 and 64 in 64-token tiles, 32-row blocks: 1.26-1.48x slower).
+# tokens (dim 48 and 64 in 64-token tiles, 32-row blocks: 1.26-1.48x slower). With a document mask too, those blocks
+# run the table's pipelined loop (64-token tiles, in DOC_ROWS) instead of the stream, in which the mask's select cost
+# more: H200, masked and normalized, stream in DOC_ROWS / stream as before / pipelined loop in DOC_ROWS
+# (h200-knobs-doc-rows.txt), us: 1x5000 Lq64 Ld180 158.7 / 141.4 / 131.5, candidates 64x20 Lq64 64.2 / 64.1 / 60.5,
+# 32x100 Lq48 127.4 / 118.3 / 105.0 (32-row blocks lose in the pipelined loop: 1x1000 Ld300 40.3 / 53.1 / 111.0).
 DOC_ROWS_SUMS_MAX_ROWS = 64
 # How much faster one-document programs run than a persistent plan of one program per multiprocessor counts them
 # (two stay resident; see forward). Fitted to the H100 measurements there: any value in (1.13, 1.8) orders them.
