@@ -128,29 +128,31 @@ PRENORM_UNSHARED_SCORES = 0
 # columns (forward.py's DOC_ROWS). With normalize=True a token's inverse norm then scales a row of the product, in the
 # layout in which its squares were summed, where the other orientation moved every tile's norms through shared memory
 # into the columns' layout (or read D twice, for the pre-pass that the thin once-read table loop took instead). 1: the
-# normalized forwards that sum their tiles' squares; 2: every eligible forward. H200, in-process, off -> 1 with
-# normalize=True (tools/knobs.py, benchmarks/results/partial/h200-knobs-doc-rows.txt, docs/performance.md v132), us:
-# 1x1000 Lq32 Ld300 46.1 -> 37.7, 1x1000 Ld1024 165.9 -> 81.7, 1x10000 Ld300 439.8 -> 196.0, candidates 32x100 Ld256
-# 118.3 -> 64.7, candidates 32x50 Ld180 51.2 -> 39.7, 1x4000 Ld1024 dim 64 (128-token tiles) 283.7 -> 140.3, 1x1000 Lq23
-# Ld333 dim 96 51.4 -> 40.2, pairs 1000 dim 96 52.3 -> 41.5, 1x64 Ld2048 (the deep pipeline) 62.0 -> 23.7; plain, off ->
-# 2: 1x1000 Ld300 30.1 -> 28.3, candidates 32x50 32.1 -> 29.3, 1x1000 Lq23 dim 96 30.3 -> 27.6, pairs 1000 dim 96 31.3
-# -> 28.2, candidates 32x100 63.9 -> 62.3, 1x1000 Ld1024 74.6 -> 73.9, 1x10000 187.4 -> 184.6. Not with 32-token tiles
-# (the MMA's rows then fill half a warpgroup's 64), normalized: 1x1000 Ld1024 dim 48 44.4 -> 70.1, candidates 16x100 dim
-# 48 30.8 -> 40.6, 128x7 dim 64 43.8 -> 69.4, pair list 32x100 179.3 -> 230.5, the 33-64-row blocks 3.7-3.9x slower
-# (1x5000 Lq64 Ld180, candidates 64x20 Lq64, 32x100 Lq48); plain, 64-row blocks 1.17-1.21x, 128x7 dim 64 1.02x.
+# normalized forwards that sum their tiles' squares; 2: every eligible forward. Found with standalone prototypes
+# (tools/orientation_probe.py, benchmarks/results/partial/h200-orientation-prototypes.txt). H200, in-process, off -> 1
+# with normalize=True (tools/knobs.py, h200-knobs-doc-rows.txt's call A, docs/performance.md v132), us: 1x1000 Lq32
+# Ld300 46.1 -> 37.7, 1x1000 Ld1024 165.9 -> 81.7, 1x10000 Ld300 439.8 -> 196.0, candidates 32x100 Ld256 118.3 -> 64.7,
+# candidates 32x50 Ld180 51.2 -> 39.7, 1x4000 Ld1024 dim 64 (128-token tiles) 283.7 -> 140.3, 1x1000 Lq23 Ld333 dim 96
+# 51.4 -> 40.2, pairs 1000 dim 96 52.3 -> 41.5, 1x64 Ld2048 (the deep pipeline) 62.0 -> 23.7; plain, off -> 2: 1x1000
+# Ld300 30.1 -> 28.3, candidates 32x50 32.1 -> 29.3, 1x1000 Lq23 dim 96 30.3 -> 27.6, pairs 1000 dim 96 31.3 -> 28.2,
+# candidates 32x100 63.9 -> 62.3, 1x1000 Ld1024 74.6 -> 73.9, 1x10000 187.4 -> 184.6. Not with 32-token tiles (the MMA's
+# rows then fill half a warpgroup's 64), normalized: 1x1000 Ld1024 dim 48 44.4 -> 70.1, candidates 16x100 dim 48 30.8 ->
+# 40.6, 128x7 dim 64 43.8 -> 69.4, pair list 32x100 179.3 -> 230.5, the 33-64-row blocks 3.7-3.9x slower (1x5000 Lq64
+# Ld180, candidates 64x20 Lq64, 32x100 Lq48); plain, 64-row blocks 1.17-1.21x, 128x7 dim 64 1.02x.
 DOC_ROWS = 2
 DOC_ROWS_MAX_ROWS = 32
 DOC_ROWS_MIN_BLOCK_N = 64
 # Normalized forwards that sum their tiles' squares take DOC_ROWS for blocks of up to DOC_ROWS_SUMS_MAX_ROWS rows too,
 # the once-read scans of 33-64-row blocks at 128 dims with their tiles widened from 32 tokens to DOC_ROWS_MIN_BLOCK_N
 # (launch_forward.widened_for_doc_rows). H200, in-process, normalize=True, off -> DOC_ROWS with 64-token tiles
-# (h200-knobs-doc-rows.txt, "wide64"), us: candidates 64x20 Lq64 Ld300 60.4 -> 44.4, 32x100 Lq48 Ld256 102.7 -> 75.1,
-# 1x5000 Lq64 Ld180 113.5 -> 84.7. Not plain (those three 1.30-1.35x slower with 64-token tiles), nor narrower
-# tokens (dim 48 and 64 in 64-token tiles, 32-row blocks: 1.26-1.48x slower). With a document mask too, those blocks
-# run the table's pipelined loop (64-token tiles, in DOC_ROWS) instead of the stream, in which the mask's select cost
-# more: H200, masked and normalized, stream in DOC_ROWS / stream as before / pipelined loop in DOC_ROWS
-# (h200-knobs-doc-rows.txt), us: 1x5000 Lq64 Ld180 158.7 / 141.4 / 131.5, candidates 64x20 Lq64 64.2 / 64.1 / 60.5,
-# 32x100 Lq48 127.4 / 118.3 / 105.0 (32-row blocks lose in the pipelined loop: 1x1000 Ld300 40.3 / 53.1 / 111.0).
+# (h200-knobs-doc-rows.txt, call B's "wide64"), us: candidates 64x20 Lq64 Ld300 60.4 -> 44.4, 32x100 Lq48 Ld256 102.7 ->
+# 75.1, 1x5000 Lq64 Ld180 113.5 -> 84.7. Not plain (those three 1.30-1.35x slower with 64-token tiles), nor narrower
+# tokens (dim 48 and 64 in 64-token tiles, 32-row blocks: 1.26-1.48x slower). With a document mask too, those blocks run
+# the pipelined loop of configs.forward_config's tiles (64 tokens, in DOC_ROWS) instead of the stream, in which the
+# mask's select cost more: H200, masked and normalized, stream in DOC_ROWS / stream as before / pipelined loop in
+# DOC_ROWS (h200-knobs-doc-rows.txt, call D), us: 1x5000 Lq64 Ld180 158.7 / 141.4 / 131.5, candidates 64x20 Lq64 64.2 /
+# 64.1 / 60.5, 32x100 Lq48 127.4 / 118.3 / 105.0 (32-row blocks lose in the pipelined loop: 1x1000 Ld300 40.3 / 53.1 /
+# 111.0).
 DOC_ROWS_SUMS_MAX_ROWS = 64
 # How much faster one-document programs run than a persistent plan of one program per multiprocessor counts them
 # (two stay resident; see forward). Fitted to the H100 measurements there: any value in (1.13, 1.8) orders them.
