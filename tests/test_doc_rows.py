@@ -35,7 +35,7 @@ RULE_CASES = {
     "with the argmax": ((1, 32, 64), (40, 70, 64), DTYPE, False, True, 2, False),
     "fp32 tokens": ((1, 32, 64), (40, 70, 64), torch.float32, False, False, 2, False),
     "64-row queries": ((1, 48, 64), (40, 70, 64), DTYPE, False, False, 2, False),
-    "32-token tiles": ((1, 32, 128), (40, 70, 128), DTYPE, True, False, 2, False),
+    "thin, 128 dims (tiles widened)": ((1, 32, 128), (40, 70, 128), DTYPE, True, False, 2, True),
     "setting 1, plain": ((1, 32, 64), (40, 70, 64), DTYPE, False, False, 1, False),
     "setting 1, normalized": ((1, 32, 64), (40, 70, 64), DTYPE, True, False, 1, True),
     "setting 0": ((1, 32, 64), (40, 70, 64), DTYPE, True, False, 0, False),
@@ -46,7 +46,8 @@ RULE_CASES = {
 def test_doc_rows_chosen_where_the_rule_says(case, device, monkeypatch):
     """Scores only, 16-bit tokens in one dim chunk, at most DOC_ROWS_MAX_ROWS query rows a block against tiles of
     at least DOC_ROWS_MIN_BLOCK_N tokens; setting 1 only where a normalized forward sums its tiles' squares.
-    (Small documents, so none of these scans streams: the table's tiles, 128 tokens at 64 dims, 32 at 128.)"""
+    (Small documents, so none of these scans streams: the table's tiles, 128 tokens at 64 dims, 32 at 128 widened
+    to 64.)"""
     q_shape, d_shape, dtype, normalize, argmax, level, expected = RULE_CASES[case]
     monkeypatch.setattr(launch_settings, "DOC_ROWS", level)
     Q = torch.randn(q_shape, dtype=dtype, device=device)
@@ -191,3 +192,37 @@ def test_masked_normalized_64_row_scans_leave_the_stream(masked, device, monkeyp
         lambda c, w, s: (c["STREAM_D"], c["BLOCK_N"], c["DOC_ROWS"]),
     )
     assert seen == [(not masked, 64, True)]
+
+
+@pytest.mark.parametrize(
+    "dtype, normalize, widen, expected",
+    [
+        (DTYPE, True, 1, (64, True)),
+        (DTYPE, False, 1, (32, False)),  # (level 1: normalized forwards only)
+        (DTYPE, False, 2, (64, True)),
+        (DTYPE, True, 0, (32, False)),
+        (torch.float32, False, 2, None),  # fp32 tokens: the table's tiles as they are
+    ],
+)
+def test_thin_table_tiles_widen_for_doc_rows(dtype, normalize, widen, expected, device, monkeypatch):
+    """A thin block with the launch table's 32-token tiles at 128 dims (here a pair list, which never takes a
+    once-read scan) runs in DOC_ROWS with 64-token tiles, per DOC_ROWS_WIDEN_THIN's level."""
+    monkeypatch.setattr(launch_settings, "DOC_ROWS_WIDEN_THIN", widen)
+    Q, D = torch.randn(29, 128, dtype=dtype, device=device), torch.randn(230, 128, dtype=dtype, device=device)
+    cu_q = torch.tensor([0, 20, 29], device=device)
+    cu_d = torch.tensor([0, 70, 70, 199, 230], device=device)
+    pq, pd = torch.tensor([1, 0, 1], device=device), torch.tensor([2, 3, 1], device=device)
+    kernels_on(device)
+    seen = forward_launches(
+        monkeypatch,
+        lambda: maxsim_pairs_varlen(Q, D, cu_q, cu_d, pq, pd, normalize=normalize),
+        lambda c, w, s: (c["BLOCK_N"], c["DOC_ROWS"]),
+    )
+    if expected is None:
+        monkeypatch.setattr(launch_settings, "DOC_ROWS_WIDEN_THIN", 0)
+        expected = forward_launches(
+            monkeypatch,
+            lambda: maxsim_pairs_varlen(Q, D, cu_q, cu_d, pq, pd, normalize=normalize),
+            lambda c, w, s: (c["BLOCK_N"], c["DOC_ROWS"]),
+        )[0]
+    assert seen == [expected]

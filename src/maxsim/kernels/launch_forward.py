@@ -114,7 +114,7 @@ def plan_key(
         settings.ONCE_READ_TABLE, settings.ONCE_READ_WIDE_TABLE_L2, settings.DEEP_PIPELINE,
         settings.DEEP_PIPELINE_MIN_LD, settings.DOC_SPLIT_BELOW, settings.DOC_SPLIT_PROGRAMS_PER_SM,
         settings.DOC_SPLIT_MIN_TILES, settings.PACK_ROWS, settings.DOC_ROWS, settings.DOC_ROWS_MAX_ROWS,
-        settings.DOC_ROWS_MIN_BLOCK_N, settings.DOC_ROWS_SUMS_MAX_ROWS,
+        settings.DOC_ROWS_MIN_BLOCK_N, settings.DOC_ROWS_SUMS_MAX_ROWS, settings.DOC_ROWS_WIDEN_THIN,
     )  # fmt: skip
 
 
@@ -206,6 +206,9 @@ def forward_keeping_norms(
                 cfg = replace(cfg, BLOCK_N=settings.DOC_ROWS_MIN_BLOCK_N)
         elif from_table and not need_argmax:
             cfg = scores_only_config(cfg, Lq)
+            widen = normalize or settings.DOC_ROWS_WIDEN_THIN >= 2
+            if widen and D.element_size() == 2 and widened_thin_for_doc_rows(cfg):
+                cfg = replace(cfg, BLOCK_N=settings.DOC_ROWS_MIN_BLOCK_N)
     sqm = (0, 0) if q_mask is None else q_mask.stride()
     sdm = (0, 0, 0) if d_mask is None else ((0 if shared else d_mask.stride(0)),) + d_mask.stride()[1:]
     rows_per_prog = cfg.TQ if n_rsplit > 1 else Lq
@@ -306,6 +309,21 @@ def widened_for_doc_rows(cfg: ForwardConfig) -> bool:
         settings.DOC_ROWS > 0
         and settings.DOC_ROWS_MAX_ROWS < rows <= settings.DOC_ROWS_SUMS_MAX_ROWS
         and cfg.BLOCK_K == 128
+        and cfg.BLOCK_N < settings.DOC_ROWS_MIN_BLOCK_N
+    )
+
+
+def widened_thin_for_doc_rows(cfg: ForwardConfig) -> bool:
+    """Whether a scores-only forward of 16-bit tokens with the launch table's ``cfg`` (no once-read scan: pair
+    lists, small candidate sets, a query against few documents) takes DOC_ROWS_MIN_BLOCK_N-token tiles, to run in
+    DOC_ROWS: thin blocks (at most DOC_ROWS_MAX_ROWS rows) in one 128-wide dim chunk, which the table gives
+    32-token tiles (see DOC_ROWS_WIDEN_THIN; the caller checks that setting's level against ``normalize``)."""
+    return (
+        settings.DOC_ROWS > 0
+        and bool(settings.DOC_ROWS_WIDEN_THIN)
+        and cfg.BQ * cfg.TQ <= settings.DOC_ROWS_MAX_ROWS
+        and cfg.BLOCK_K == 128
+        and cfg.NUM_K == 1
         and cfg.BLOCK_N < settings.DOC_ROWS_MIN_BLOCK_N
     )
 

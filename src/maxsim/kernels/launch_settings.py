@@ -154,6 +154,13 @@ DOC_ROWS_MIN_BLOCK_N = 64
 # 64.1 / 60.5, 32x100 Lq48 127.4 / 118.3 / 105.0 (32-row blocks lose in the pipelined loop: 1x1000 Ld300 40.3 / 53.1 /
 # 111.0).
 DOC_ROWS_SUMS_MAX_ROWS = 64
+# Scores-only forwards of thin blocks that run the launch table's own tiles (no once-read scan: pair lists, small
+# candidate sets, a query against few documents), 32 tokens at 128 dims, take DOC_ROWS_MIN_BLOCK_N-token tiles to run
+# in DOC_ROWS (launch_forward.widened_thin_for_doc_rows): 1 normalized ones, 2 all. H200, in-process (tools/knobs.py,
+# h200-knobs-doc-rows.txt's calls F and G), us, normalized, 0 -> 1: pair list 32x100 Lq32 Ld256 179.7 -> 65.2, skewed
+# pair list 32x100 pool 2048 142.7 -> 57.0, candidates 7x7 Lq23 Ld333 dim 96 20.5 -> 11.0; plain, 1 -> 2: 65.0 ->
+# 63.1, 44.9 -> 40.3, 11.5 -> 9.8 (candidates 32x100, a once-read scan, 1.00x in both).
+DOC_ROWS_WIDEN_THIN = 2
 # How much faster one-document programs run than a persistent plan of one program per multiprocessor counts them
 # (two stay resident; see forward). Fitted to the H100 measurements there: any value in (1.13, 1.8) orders them.
 ONE_DOC_GAIN = 1.3
