@@ -52,115 +52,61 @@ def _norm_pass(d_base, INVS, Ld, sd_l, dim, BN1: tl.constexpr, BK: tl.constexpr)
 
 
 @triton.jit
-def reg_kernel(
-    Q,
-    D,
-    INVS,
-    OUT,
-    K,
-    Ld,
-    Lq,
-    dim,
-    sq_n,
-    sq_l,
-    sd_b,
-    sd_k,
-    sd_l,
-    ld_pad,
-    TQ: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-    MODE: tl.constexpr,
-    NORM: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    n = pid // K
-    k = pid % K
-    qt, qok = _qblock(Q, n, sq_n, sq_l, Lq, dim, TQ, BK)
-    d_base = D + n.to(tl.int64) * sd_b + k.to(tl.int64) * sd_k
-    inv_base = INVS + pid.to(tl.int64) * ld_pad
-    if MODE == 3:
-        _norm_pass(d_base, inv_base, Ld, sd_l, dim, BN, BK)
-    kd = tl.arange(0, BK)
-    m2 = tl.full([TQ, BN], float("-inf"), dtype=tl.float32)
-    for n0 in range(0, Ld, BN):
-        cols = n0 + tl.arange(0, BN)
-        rows = tl.minimum(cols, Ld - 1)
-        if MODE == 3:
-            inv = tl.load(inv_base + cols, mask=cols < Ld, other=0.0)
-        dt = tl.load(d_base + rows[:, None] * sd_l + kd[None, :], mask=(kd < dim)[None, :], other=0.0)
-        s = tl.dot(qt, tl.trans(dt))
-        if NORM:
-            if MODE == 1:
-                dtf = dt.to(tl.float32)
-                inv = 1.0 / tl.maximum(tl.sqrt(tl.sum(dtf * dtf, axis=1)), 1e-12)
-            s = s * inv[None, :]
-        if n0 + BN > Ld:
-            s = tl.where((cols < Ld)[None, :], s, float("-inf"))
-        m2 = tl.maximum(m2, s)
-    m = tl.max(m2, axis=1)
-    if NORM:
-        qf = qt.to(tl.float32)
-        m = m / tl.maximum(tl.sqrt(tl.sum(qf * qf, axis=1)), 1e-12)
-    tl.store(OUT + pid, tl.sum(tl.where(qok, m, 0.0), axis=0))
+def _per_token(v, TR: tl.constexpr):
+    """A document token's value against the tile's similarities: a column (``TR``: a row) of them."""
+    if TR:
+        return v[:, None]
+    else:
+        return v[None, :]
 
 
 @triton.jit
-def tr_kernel(
-    Q,
-    D,
-    INVS,
-    OUT,
-    K,
-    Ld,
-    Lq,
-    dim,
-    sq_n,
-    sq_l,
-    sd_b,
-    sd_k,
-    sd_l,
-    ld_pad,
-    TQ: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-    MODE: tl.constexpr,
-    NORM: tl.constexpr,
-):
+def proto_kernel(
+    Q, D, INVS, OUT, K, Ld, Lq, dim, sq_n, sq_l, sd_b, sd_k, sd_l, ld_pad,
+    TQ: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr, NORM: tl.constexpr, TR: tl.constexpr,
+):  # fmt: skip
+    """One program a (query, document) pair; ``TR``: the product transposed (document tokens as the MMA's rows)."""
     pid = tl.program_id(0)
     n = pid // K
     k = pid % K
     qt, qok = _qblock(Q, n, sq_n, sq_l, Lq, dim, TQ, BK)
-    qT = tl.trans(qt)
     d_base = D + n.to(tl.int64) * sd_b + k.to(tl.int64) * sd_k
     inv_base = INVS + pid.to(tl.int64) * ld_pad
     if MODE == 3:
         _norm_pass(d_base, inv_base, Ld, sd_l, dim, BN, BK)
     kd = tl.arange(0, BK)
-    m2 = tl.full([BN, TQ], float("-inf"), dtype=tl.float32)
+    if TR:
+        q_op = tl.trans(qt)
+        m2 = tl.full([BN, TQ], float("-inf"), dtype=tl.float32)
+    else:
+        q_op = qt
+        m2 = tl.full([TQ, BN], float("-inf"), dtype=tl.float32)
     for n0 in range(0, Ld, BN):
         cols = n0 + tl.arange(0, BN)
         rows = tl.minimum(cols, Ld - 1)
         if MODE == 3:
             inv = tl.load(inv_base + cols, mask=cols < Ld, other=0.0)
         dt = tl.load(d_base + rows[:, None] * sd_l + kd[None, :], mask=(kd < dim)[None, :], other=0.0)
-        s = tl.dot(dt, qT)
+        if TR:  # noqa: SIM108 (a constexpr branch: the other product's shapes do not match)
+            s = tl.dot(dt, q_op)
+        else:
+            s = tl.dot(q_op, tl.trans(dt))
         if NORM:
             if MODE == 1:
                 dtf = dt.to(tl.float32)
                 inv = 1.0 / tl.maximum(tl.sqrt(tl.sum(dtf * dtf, axis=1)), 1e-12)
-            s = s * inv[:, None]
+            s = s * _per_token(inv, TR)
         if n0 + BN > Ld:
-            s = tl.where((cols < Ld)[:, None], s, float("-inf"))
+            s = tl.where(_per_token(cols < Ld, TR), s, float("-inf"))
         m2 = tl.maximum(m2, s)
-    m = tl.max(m2, axis=0)
+    m = tl.max(m2, axis=0 if TR else 1)
     if NORM:
         qf = qt.to(tl.float32)
         m = m / tl.maximum(tl.sqrt(tl.sum(qf * qf, axis=1)), 1e-12)
     tl.store(OUT + pid, tl.sum(tl.where(qok, m, 0.0), axis=0))
 
 
-def run_proto(kernel, Q, D, shared, mode, norm, BN=64, warps=4, stages=3, invs=None):
+def run_proto(tr, Q, D, shared, mode, norm, BN=64, warps=4, stages=3, invs=None):
     Nq, Lq, dim = Q.shape
     K, Ld = D.shape[-3], D.shape[-2]
     out = torch.empty(Nq * K, device=Q.device, dtype=torch.float32)
@@ -168,29 +114,9 @@ def run_proto(kernel, Q, D, shared, mode, norm, BN=64, warps=4, stages=3, invs=N
     if invs is None:
         invs = torch.empty(Nq * K * ld_pad if mode == 3 else 1, device=Q.device, dtype=torch.float32)
     sd = D.stride()
-    kernel[(Nq * K,)](
-        Q,
-        D,
-        invs,
-        out,
-        K,
-        Ld,
-        Lq,
-        dim,
-        Q.stride(0),
-        Q.stride(1),
-        0 if shared else sd[0],
-        sd[1],
-        sd[2],
-        ld_pad,
-        TQ=32,
-        BN=BN,
-        BK=triton.next_power_of_2(dim),
-        MODE=mode,
-        NORM=norm,
-        num_warps=warps,
-        num_stages=stages,
-    )
+    args = (Q, D, invs, out, K, Ld, Lq, dim, Q.stride(0), Q.stride(1), 0 if shared else sd[0], sd[1], sd[2], ld_pad)
+    consts = dict(TQ=32, BN=BN, BK=triton.next_power_of_2(dim), MODE=mode, NORM=norm, TR=tr)
+    proto_kernel[(Nq * K,)](*args, **consts, num_warps=warps, num_stages=stages)
     return out.view(Nq, K)
 
 
@@ -215,13 +141,13 @@ SMALL_SHAPES = [("small-cand", 2, 3, 32, 70, 128, False), ("small-shared", 1, 4,
 def _prototypes(Q, D, shared: bool, norm: bool, small: bool) -> dict:
     """label -> call of every prototype variant."""
     calls = {}
-    for kname, kern in (("reg", reg_kernel), ("tr", tr_kernel)):
+    for kname, tr in (("reg", False), ("tr", True)):
         for mode in (1, 3) if norm else (0,):
             label = f"{kname}-m{mode}" + ("-norm" if norm else "")
-            calls[label] = functools.partial(run_proto, kern, Q, D, shared, mode, norm)
+            calls[label] = functools.partial(run_proto, tr, Q, D, shared, mode, norm)
             if kname == "tr" and not small:
-                calls[label + "-bn128"] = functools.partial(run_proto, kern, Q, D, shared, mode, norm, BN=128, stages=2)
-                calls[label + "-s4"] = functools.partial(run_proto, kern, Q, D, shared, mode, norm, BN=64, stages=4)
+                calls[label + "-bn128"] = functools.partial(run_proto, tr, Q, D, shared, mode, norm, BN=128, stages=2)
+                calls[label + "-s4"] = functools.partial(run_proto, tr, Q, D, shared, mode, norm, BN=64, stages=4)
     return calls
 
 
