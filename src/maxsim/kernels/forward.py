@@ -10,7 +10,9 @@ queries into M (only where they share the document, i.e. the cross product, ``Bd
 tile serve all of them; they take ``TQ``-row slots, or (``PACKED``) follow each other at their own length.
 Queries longer than ``TQ`` rows are split into ``TQ``-row blocks, one program each; their partial scores are summed
 afterwards in a fixed order (deterministic, no atomics). A launch of a handful of long documents may split each
-document's tokens over programs too (``DOC_SPLIT``), whose row maxima :mod:`.doc_chunks` folds.
+document's tokens over programs too (``DOC_SPLIT``), whose row maxima :mod:`.doc_chunks` folds. Thin
+scores-only blocks turn the product around (``DOC_ROWS``): the tile's tokens fill the MMA's rows, the query rows its
+columns, and the running max is kept transposed.
 
 Semantics (design.md §1) live here and, for chunked documents, in the fold that keeps them: masked document tokens
 are ``-inf`` before the max; a query row that is masked or sees no valid document token contributes 0 and argmax -1;
@@ -199,7 +201,7 @@ def _scan_tile(
                 DOT_PRECISION, UPCAST, STREAM_D, DOC_ROWS,
             )  # fmt: skip
     if NORMALIZE:
-        if SUMSQ:  # (the sum of squares of a tile costs a layout round trip)
+        if SUMSQ:  # (a layout round trip through shared memory a tile, but in DOC_ROWS: see above)
             inv_cols = 1.0 / tl.maximum(tl.sqrt(sumsq), NORM_EPS)
         elif not EARLY_NORMS:
             inv_cols = tl.load(inv_doc + cols * sid_l, mask=col_ok, other=0.0)
