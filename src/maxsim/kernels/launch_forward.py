@@ -192,23 +192,17 @@ def forward_keeping_norms(
     # summed afterwards in a fixed order.
     n_rsplit = cdiv(Lq, cfg.TQ)
     n_programs = n_qblocks * n_rsplit * K  # (one per document and row block)
-    stream, scan, deep = False, None, False
-    if from_table and deep_pipelined(n_programs, cfg, Ld, D):
-        cfg, deep = deep_pipeline_config(cfg), True
-    else:
-        scan = None if need_argmax else once_read_scan(sg, shared, n_qblocks, n_rsplit, cfg, D, d_mask is not None, K)
+    deep = from_table and deep_pipelined(n_programs, cfg, Ld, D)
+    scan = None
+    if deep:
+        cfg = deep_pipeline_config(cfg)
+    elif not need_argmax:
+        scan = once_read_scan(sg, shared, n_qblocks, n_rsplit, cfg, D, d_mask is not None, K)
         if scan == "stream" and normalize and d_mask is not None and widened_for_doc_rows(streaming_config(cfg)):
             scan = None  # (the pipelined loop, in DOC_ROWS: see DOC_ROWS_SUMS_MAX_ROWS)
-        stream = scan == "stream"
-        if scan is not None and from_table:
-            cfg = streaming_config(cfg) if stream else once_read_config(cfg, Ld)
-            if normalize and widened_for_doc_rows(cfg):
-                cfg = replace(cfg, BLOCK_N=settings.DOC_ROWS_MIN_BLOCK_N)
-        elif from_table and not need_argmax:
-            cfg = scores_only_config(cfg, Lq)
-            widen = normalize or settings.DOC_ROWS_WIDEN_THIN >= 2
-            if widen and D.element_size() == 2 and widened_thin_for_doc_rows(cfg):
-                cfg = replace(cfg, BLOCK_N=settings.DOC_ROWS_MIN_BLOCK_N)
+        if from_table:
+            cfg = scores_only_tiles(cfg, scan, normalize, Lq, Ld, D)
+    stream = scan == "stream"
     sqm = (0, 0) if q_mask is None else q_mask.stride()
     sdm = (0, 0, 0) if d_mask is None else ((0 if shared else d_mask.stride(0)),) + d_mask.stride()[1:]
     rows_per_prog = cfg.TQ if n_rsplit > 1 else Lq
@@ -284,6 +278,22 @@ def forward_keeping_norms(
     return run_forward(plan, Q, D, q_mask, d_mask, (sg.qseg, sg.dseg, sg.pq, sg.pd), need_argmax)
 
 
+def scores_only_tiles(
+    cfg: ForwardConfig, scan: str | None, normalize: bool, Lq: int, Ld: int, D: Tensor
+) -> ForwardConfig:  # fmt: skip
+    """The launch table's ``cfg`` for a scores-only forward: the stream's or the once-read table's tiles for a
+    once-read ``scan``, else :func:`~.configs.scores_only_config`'s; either widened to DOC_ROWS_MIN_BLOCK_N tokens
+    where that lets it run in DOC_ROWS (:func:`widened_for_doc_rows`, :func:`widened_thin_for_doc_rows`)."""
+    if scan is not None:
+        cfg = streaming_config(cfg) if scan == "stream" else once_read_config(cfg, Ld)
+        widen = normalize and widened_for_doc_rows(cfg)
+    else:
+        cfg = scores_only_config(cfg, Lq)
+        level = 1 if normalize else 2  # (DOC_ROWS_WIDEN_THIN: 1 normalized forwards, 2 all)
+        widen = level <= settings.DOC_ROWS_WIDEN_THIN and D.element_size() == 2 and widened_thin_for_doc_rows(cfg)
+    return replace(cfg, BLOCK_N=settings.DOC_ROWS_MIN_BLOCK_N) if widen else cfg
+
+
 def doc_rows_eligible(cfg: ForwardConfig, need_argmax: bool, D: Tensor, max_rows: int) -> bool:
     """Whether a forward of ``cfg`` may put the document's tokens in the MMA's rows (forward.py's ``DOC_ROWS``; see
     the DOC_ROWS setting): scores only, one dim chunk, 16-bit tokens, row blocks of at most ``max_rows`` rows
@@ -317,10 +327,9 @@ def widened_thin_for_doc_rows(cfg: ForwardConfig) -> bool:
     """Whether a scores-only forward of 16-bit tokens with the launch table's ``cfg`` (no once-read scan: pair
     lists, small candidate sets, a query against few documents) takes DOC_ROWS_MIN_BLOCK_N-token tiles, to run in
     DOC_ROWS: thin blocks (at most DOC_ROWS_MAX_ROWS rows) in one 128-wide dim chunk, which the table gives
-    32-token tiles (see DOC_ROWS_WIDEN_THIN; the caller checks that setting's level against ``normalize``)."""
+    32-token tiles (see DOC_ROWS_WIDEN_THIN, whose level :func:`scores_only_tiles` checks)."""
     return (
         settings.DOC_ROWS > 0
-        and bool(settings.DOC_ROWS_WIDEN_THIN)
         and cfg.BQ * cfg.TQ <= settings.DOC_ROWS_MAX_ROWS
         and cfg.BLOCK_K == 128
         and cfg.NUM_K == 1
