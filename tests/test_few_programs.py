@@ -30,7 +30,6 @@ def _fresh_plans(monkeypatch):
     # Scans of any size stream where their layout allows (the rule would exclude every small test shape), so that
     # chunks are covered in both tile loops.
     monkeypatch.setattr(launch_settings, "STREAM_L2_RANGE", (0.0, float("inf")))
-    monkeypatch.setattr(launch_settings, "STREAM_MASKED_MIN_BLOCK_K", 0)
     launch_forward.plans.clear()
     yield
     launch_forward.plans.clear()

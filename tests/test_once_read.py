@@ -78,6 +78,10 @@ TABLE_ROWS64 = (False, 32, 4, 4, False)  # (one program a document where there a
         ("one query", H100, 10.0, "table as it is"),
         ("one query, 64 dims", H200, 3.0, "stream"),  # (narrow scans keep the stream)
         ("one query, document mask", H200, 3.0, "stream"),
+        ("one query, document mask, normalized", H200, 3.0, TABLE_64),  # (ONCE_READ_TABLE_MASKED_SUMS)
+        ("candidates, document mask, normalized", H200, 3.0, TABLE_64),
+        ("one query of 64 rows, document mask, normalized", H200, 3.0, "pipelined"),
+        ("one query, document mask, normalized, rule off", H200, 3.0, "stream"),
         ("one query, rule off", H200, 3.0, "stream"),
         ("several query blocks", H200, 3.0, "table as it is"),  # (each tile read by every block)
         ("training forward", H200, 3.0, "table as it is"),
@@ -93,18 +97,22 @@ def test_once_read_table_chosen_where_the_rule_says(what, card_name, l2s, expect
     if what.startswith("pairs"):  # (three queries, each against its own document: Q [3, Lq, dim], D [3, Ld, dim])
         Q, D = _inputs(3, lq, 3, ld, dim, False, device)
     d_mask = torch.ones(D.shape[:-1], dtype=torch.bool, device=device) if "mask" in what else None
-    if what.endswith("rule off"):
+    if what == "one query, rule off":
         monkeypatch.setattr(launch_settings, "ONCE_READ_TABLE", 0)
+    elif what.endswith("rule off"):
+        monkeypatch.setattr(launch_settings, "ONCE_READ_TABLE_MASKED_SUMS", 0)
     card(card_name, int(D.numel() * D.element_size() / l2s))
     if what == "training forward":
         seen = _launches(monkeypatch, lambda: maxsim(Q, D, return_argmax=True))
     elif what.startswith("pairs"):
         seen = _launches(monkeypatch, lambda: maxsim_pairs(Q, D))
     else:
-        seen = _launches(monkeypatch, lambda: maxsim(Q, D, d_mask=d_mask))
+        seen = _launches(monkeypatch, lambda: maxsim(Q, D, d_mask=d_mask, normalize="normalized" in what))
     assert len(seen) == 1
     if expected == "stream":
         assert seen[0][0] is True
+    elif expected == "pipelined":  # (masked, normalized 64-row blocks: forward_config's tiles, see test_doc_rows.py)
+        assert seen[0][0] is False
     elif expected == "table as it is":
         cfg = configs.forward_config(lq, dim, nq, not what.startswith("candidates"))
         if what != "training forward" and launch_forward.widened_thin_for_doc_rows(cfg):

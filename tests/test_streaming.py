@@ -26,10 +26,8 @@ DTYPE = torch.bfloat16 if torch.cuda.is_available() and not INTERPRET else torch
 
 @pytest.fixture
 def any_size(monkeypatch):
-    """Streaming allowed for scans of any size and masked tiles of any width (the rule would exclude every small
-    test shape)."""
+    """Streaming allowed for scans of any size (the rule would exclude every small test shape)."""
     monkeypatch.setattr(launch_settings, "STREAM_L2_RANGE", (0.0, math.inf))
-    monkeypatch.setattr(launch_settings, "STREAM_MASKED_MIN_BLOCK_K", 0)
     launch_forward.plans.clear()
     yield
     launch_forward.plans.clear()
@@ -124,7 +122,7 @@ def _stream_flags(monkeypatch, call, warps: bool = False) -> list:
         ("candidates, queries of 64 rows", True),
         ("one query of 64 rows, shared documents", True),  # (H100 / H200 1x5000 Lq64 Ld180: 0.98x / 0.97x)
         ("document mask", True),
-        ("document mask, 64 dims", False),  # (tiles too short to hide the mask's latency)
+        ("document mask, 64 dims", True),  # (the mask's bits: STREAM_MASK_BITS)
         ("fp32", False),  # (two fp32 tiles in registers spill)
         ("several query blocks", False),  # (each tile is read by every block)
         ("long query", False),  # (rows split over programs read each tile once per split)

@@ -66,6 +66,39 @@ def _tile_ok(dm_doc, n0, d_len, sdm_l, BLOCK_N: tl.constexpr, HAS_DMASK: tl.cons
 
 
 @triton.jit
+def _tile_bits(dm_doc, n0, d_len, sdm_l, BLOCK_N: tl.constexpr):
+    """:func:`_tile_ok` of a masked tile as one integer, bit ``c`` for column ``c`` (int32 for tiles of up to 32
+    tokens, int64 up to 64). A stream carries its tiles' masks from their loads to their selects two tiles later:
+    as flags, each tile held a predicate a column in every thread and packed them into registers and out again
+    (112 registers against the unmasked loop's 79 for 64-row blocks: two programs fewer a multiprocessor); as
+    bits, one register, and the load's columns are gathered by one warp reduction."""
+    tl.static_assert(BLOCK_N <= 64, "a tile's mask bits fit one int64")
+    if BLOCK_N > 32:  # (two 32-column halves: a warp's reduction each, where 64 columns went through shared memory)
+        lo = _tile_bits(dm_doc, n0, d_len, sdm_l, 32).to(tl.int64) & 0xFFFFFFFF
+        hi = _tile_bits(dm_doc, n0 + 32, d_len, sdm_l, 32).to(tl.int64)
+        return lo | (hi << 32)
+    else:
+        ok = _tile_ok(dm_doc, n0, d_len, sdm_l, BLOCK_N, True)
+        return tl.sum(ok.to(tl.int32) << tl.arange(0, BLOCK_N), axis=0)  # (distinct bits: the sum is their OR)
+
+
+@triton.jit
+def _bits_ok(bits, BLOCK_N: tl.constexpr):
+    """``[BLOCK_N]`` column flags of :func:`_tile_bits`'s integer, in whatever layout their use asks for."""
+    return ((bits >> tl.arange(0, BLOCK_N).to(bits.dtype)) & 1) != 0
+
+
+@triton.jit
+def _ahead_ok(dm_doc, n0, d_len, sdm_l, BLOCK_N: tl.constexpr, MASK_AHEAD: tl.constexpr, MASK_BITS: tl.constexpr):
+    """A tile's valid columns as a stream carries them to its select: :func:`_tile_bits`'s integer (``MASK_BITS``)
+    or :func:`_tile_ok`'s flags (the mask read where ``MASK_AHEAD``)."""
+    if MASK_BITS:
+        return _tile_bits(dm_doc, n0, d_len, sdm_l, BLOCK_N)
+    else:
+        return _tile_ok(dm_doc, n0, d_len, sdm_l, BLOCK_N, MASK_AHEAD)
+
+
+@triton.jit
 def _stream_tile(d_base, n0, d_len, sd_l, dim, live, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The document tile ``[n0, n0 + BLOCK_N)``, loaded into registers as the first lines to leave the L2
     (``evict_first``): no other program reads it, and a pass over a corpus then replaces its own lines instead of
@@ -161,6 +194,7 @@ def _scan_tile(
     ok_pre, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, HAS_DMASK: tl.constexpr,
     NORMALIZE: tl.constexpr, NORMS_GIVEN: tl.constexpr, SAVE_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, EARLY_NORMS: tl.constexpr, STREAM_D: tl.constexpr, DOC_ROWS: tl.constexpr,
+    MASK_BITS: tl.constexpr,
 ):  # fmt: skip
     """One document tile ``[n0, n0 + BLOCK_N)`` folded into the running max ``m2`` (and argmax ``a2``) of shape
     ``[rows, BLOCK_N]``; ``any_valid [BLOCK_N]`` remembers whether a column slot ever held a valid token.
@@ -174,7 +208,9 @@ def _scan_tile(
     cols = n0 + tl.arange(0, BLOCK_N)
     in_doc = cols < d_len
     col_ok = in_doc
-    if STREAM_D:
+    if MASK_BITS:
+        col_ok = _bits_ok(ok_pre, BLOCK_N)
+    elif STREAM_D:
         col_ok = ok_pre
     elif HAS_DMASK:  # (written out, not _tile_ok: the call cost a masked persistent variant 12 registers)
         col_ok = col_ok & (tl.load(dm_doc + cols * sdm_l, mask=in_doc, other=0) != 0)
@@ -301,7 +337,7 @@ def _row_block(
     TQ: tl.constexpr, BQ: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
     HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr, NORMALIZE: tl.constexpr, NORMS_GIVEN: tl.constexpr,
     SAVE_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, EARLY_NORMS: tl.constexpr,
-    STREAM_D: tl.constexpr, DOC_ROWS: tl.constexpr,
+    STREAM_D: tl.constexpr, DOC_ROWS: tl.constexpr, MASK_BITS: tl.constexpr,
 ):  # fmt: skip
     """Rows ``t0 .. t0 + TQ`` of the program's packed queries against one document: ``(token index t, value
     [rows] (0 where a row is not live), argmax [rows] (-1 there; unset without SAVE_ARGMAX), live [rows])``."""
@@ -317,19 +353,19 @@ def _row_block(
     q_op = _mma_queries(qt, DOC_ROWS)
     # STREAM_D: a tile's tokens one tile ahead of their MMA, its mask (for the select after it) one tile further.
     MASK_AHEAD: tl.constexpr = HAS_DMASK and STREAM_D
-    ok = _tile_ok(dm_doc, 0, d_len, sdm_l, BLOCK_N, MASK_AHEAD)
+    ok = _ahead_ok(dm_doc, 0, d_len, sdm_l, BLOCK_N, MASK_AHEAD, MASK_BITS)
     dt = _first_tile(d_base, d_len, sd_l, dim, d_len > 0, BLOCK_N, BLOCK_K, STREAM_D)
-    ok_next = _tile_ok(dm_doc, BLOCK_N, d_len, sdm_l, BLOCK_N, MASK_AHEAD)
+    ok_next = _ahead_ok(dm_doc, BLOCK_N, d_len, sdm_l, BLOCK_N, MASK_AHEAD, MASK_BITS)
     for n0 in range(0, d_len, BLOCK_N):
         dt_pre, ok_pre = dt, ok
         if STREAM_D:  # the next tile's loads in flight during this one's MMA
             dt = _stream_tile(d_base, n0 + BLOCK_N, d_len, sd_l, dim, n0 + BLOCK_N < d_len, BLOCK_N, BLOCK_K)
             ok = ok_next
-            ok_next = _tile_ok(dm_doc, n0 + 2 * BLOCK_N, d_len, sdm_l, BLOCK_N, MASK_AHEAD)
+            ok_next = _ahead_ok(dm_doc, n0 + 2 * BLOCK_N, d_len, sdm_l, BLOCK_N, MASK_AHEAD, MASK_BITS)
         m2, a2, any_valid = _scan_tile(
             q_op, q_rows, row_ok, d_base, dm_doc, inv_doc, n0, d_len, dim, sd_l, sdm_l, sid_l, m2, a2,
             any_valid, dt_pre, ok_pre, BLOCK_N, BLOCK_K, NUM_K, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX,
-            DOT_PRECISION, UPCAST, EARLY_NORMS, STREAM_D, DOC_ROWS,
+            DOT_PRECISION, UPCAST, EARLY_NORMS, STREAM_D, DOC_ROWS, MASK_BITS,
         )  # fmt: skip
     row_val, a, live = _finish_rows(
         m2, a2, tl.cdiv(d_len, BLOCK_N) * BLOCK_N, any_valid, qt, q_rows, iq_base + t * siq_l, row_ok, dim,
@@ -364,7 +400,7 @@ def maxsim_fwd_kernel(
     HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr, NORMALIZE: tl.constexpr, SAVE_ARGMAX: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PERSIST: tl.constexpr, NORMS_GIVEN: tl.constexpr,
     EARLY_NORMS: tl.constexpr, STREAM_D: tl.constexpr, DOC_SPLIT: tl.constexpr, PACKED: tl.constexpr,
-    DOC_ROWS: tl.constexpr,
+    DOC_ROWS: tl.constexpr, MASK_BITS: tl.constexpr,
 ):  # fmt: skip
     """Scores ``OUT [n_rsplit, Nq, K]`` and argmax ``ARG [Nq, K, Lq]``; a pair list runs as ``Nq = 1``, ``K`` =
     number of pairs, query and document of pair ``k`` read from ``PQ[k]``, ``PD[k]``.
@@ -378,7 +414,8 @@ def maxsim_fwd_kernel(
     document.
 
     ``STREAM_D`` (``NUM_K == 1``): every document tile is read by this program only; it is loaded one tile ahead
-    with an evict-first hint (``_stream_tile``), its mask two tiles ahead.
+    with an evict-first hint (``_stream_tile``), its mask two tiles ahead; ``MASK_BITS`` (a document mask, tiles of
+    at most 64 tokens): the mask carried as one integer a tile (:func:`_tile_bits`).
 
     ``DOC_SPLIT`` (not with ``PERSIST``): each document is scanned in ``n_dsplit`` chunks of ``chunk_len`` tokens (a
     multiple of ``BLOCK_N``) by programs of their own, for launches that would otherwise leave multiprocessors idle
@@ -455,10 +492,11 @@ def maxsim_fwd_kernel(
         # or the next ones); a tile past the program's last one has no columns (nothing is read).
         MASK_AHEAD: tl.constexpr = HAS_DMASK and STREAM_D
         dm_row = DM + b * sdm_b + k_lo * sdm_k
-        ok = _tile_ok(dm_row, 0, tl.where(n_it > 0, Ld, 0), sdm_l, BLOCK_N, MASK_AHEAD)
+        ok = _ahead_ok(dm_row, 0, tl.where(n_it > 0, Ld, 0), sdm_l, BLOCK_N, MASK_AHEAD, MASK_BITS)
         dt = _first_tile(D + b * sd_b + k_lo * sd_k, Ld, sd_l, dim, n_it > 0, BLOCK_N, BLOCK_K, STREAM_D)
         dm_next = dm_row + (1 // n_tiles) * sdm_k
-        ok_next = _tile_ok(dm_next, (1 % n_tiles) * BLOCK_N, tl.where(n_it > 1, Ld, 0), sdm_l, BLOCK_N, MASK_AHEAD)
+        n_next = (1 % n_tiles) * BLOCK_N
+        ok_next = _ahead_ok(dm_next, n_next, tl.where(n_it > 1, Ld, 0), sdm_l, BLOCK_N, MASK_AHEAD, MASK_BITS)
         for it in range(0, n_it):
             k = k_lo + it // n_tiles
             n0 = (it % n_tiles) * BLOCK_N
@@ -470,12 +508,14 @@ def maxsim_fwd_kernel(
                 ok = ok_next
                 dm_next = dm_row + ((it + 2) // n_tiles) * sdm_k
                 n_next = ((it + 2) % n_tiles) * BLOCK_N
-                ok_next = _tile_ok(dm_next, n_next, tl.where(it + 2 < n_it, Ld, 0), sdm_l, BLOCK_N, MASK_AHEAD)
+                ok_next = _ahead_ok(
+                    dm_next, n_next, tl.where(it + 2 < n_it, Ld, 0), sdm_l, BLOCK_N, MASK_AHEAD, MASK_BITS
+                )
             m2, a2, any_valid = _scan_tile(
                 q_op, q_rows, row_ok, D + b * sd_b + k * sd_k, DM + b * sdm_b + k * sdm_k,
                 INV_D + b * sid_b + k * sid_k, n0, Ld, dim, sd_l, sdm_l, sid_l, m2, a2, any_valid, dt_pre, ok_pre,
                 BLOCK_N, BLOCK_K, NUM_K, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX, DOT_PRECISION, UPCAST,
-                EARLY_NORMS, STREAM_D, DOC_ROWS,
+                EARLY_NORMS, STREAM_D, DOC_ROWS, MASK_BITS,
             )  # fmt: skip
             if n0 + BLOCK_N >= Ld:  # the document's last tile: its scores, then a fresh running max
                 row_val, a, _live = _finish_rows(
@@ -521,7 +561,7 @@ def maxsim_fwd_kernel(
                     r_lo, tok, q_in, q_len, r_hi, q_out, QM, sqm_n, sqm_l, q_base, sq_l, iq_base, siq_l, d_base,
                     dm_doc, inv_doc, tl.minimum(tl.maximum(d_len - c0, 0), chunk_len), dim, sd_l, sdm_l, sid_l,
                     TQ, BQ, BLOCK_N, BLOCK_K, NUM_K, HAS_QMASK, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX,
-                    DOT_PRECISION, UPCAST, EARLY_NORMS, STREAM_D, DOC_ROWS,
+                    DOT_PRECISION, UPCAST, EARLY_NORMS, STREAM_D, DOC_ROWS, MASK_BITS,
                 )  # fmt: skip
                 pa = tl.where(live, a + c0, -1)
             at = ((chunk * Nq + q_out.to(tl.int64)) * K + kk) * Lq + t
@@ -540,7 +580,7 @@ def maxsim_fwd_kernel(
                     r_lo, tok, q_in, q_len, r_hi, q_out, QM, sqm_n, sqm_l, q_base, sq_l, iq_base, siq_l, d_base, dm_doc,
                     inv_doc, d_len, dim, sd_l, sdm_l, sid_l,
                     TQ, BQ, BLOCK_N, BLOCK_K, NUM_K, HAS_QMASK, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX,
-                    DOT_PRECISION, UPCAST, EARLY_NORMS, STREAM_D, DOC_ROWS,
+                    DOT_PRECISION, UPCAST, EARLY_NORMS, STREAM_D, DOC_ROWS, MASK_BITS,
                 )  # fmt: skip
                 if SAVE_ARGMAX:
                     tl.store(ARG + (q_out.to(tl.int64) * K + kk) * Lq + t, a, mask=q_in & (t < r_hi))

@@ -109,9 +109,10 @@ def plan_key(
         need_argmax, torch.get_float32_matmul_precision() if Q.dtype == torch.float32 else None, ragged_plan_key(rg),
         settings.PRENORM_MIN_ROW_BLOCKS, settings.PRENORM_MIN_QUERY_BLOCKS, settings.PRENORM_UNSHARED,
         settings.PRENORM_UNSHARED_SCORES,
-        settings.STREAM_ONCE_READ, settings.STREAM_L2_RANGE, settings.STREAM_MASKED_MIN_BLOCK_K,
+        settings.STREAM_ONCE_READ, settings.STREAM_L2_RANGE, settings.STREAM_MASK_BITS,
         settings.STREAM_UNSHARED_MAX_ROWS, settings.STREAM_SHARED_MAX_ROWS, settings.ONCE_READ_TABLE_L2,
-        settings.ONCE_READ_TABLE, settings.ONCE_READ_WIDE_TABLE_L2, settings.DEEP_PIPELINE,
+        settings.ONCE_READ_TABLE, settings.ONCE_READ_TABLE_MASKED_SUMS, settings.ONCE_READ_WIDE_TABLE_L2,
+        settings.DEEP_PIPELINE,
         settings.DEEP_PIPELINE_MIN_LD, settings.DOC_SPLIT_BELOW, settings.DOC_SPLIT_PROGRAMS_PER_SM,
         settings.DOC_SPLIT_MIN_TILES, settings.PACK_ROWS, settings.DOC_ROWS, settings.DOC_ROWS_MAX_ROWS,
         settings.DOC_ROWS_MIN_BLOCK_N, settings.DOC_ROWS_SUMS_MAX_ROWS, settings.DOC_ROWS_WIDEN_THIN,
@@ -197,7 +198,7 @@ def forward_keeping_norms(
     if deep:
         cfg = deep_pipeline_config(cfg)
     elif not need_argmax:
-        scan = once_read_scan(sg, shared, n_qblocks, n_rsplit, cfg, D, d_mask is not None, K)
+        scan = once_read_scan(sg, shared, n_qblocks, n_rsplit, cfg, D, d_mask is not None, K, normalize)
         if scan == "stream" and normalize and d_mask is not None and widened_for_doc_rows(streaming_config(cfg)):
             scan = None  # (the pipelined loop, in DOC_ROWS: see DOC_ROWS_SUMS_MAX_ROWS)
         if from_table:
@@ -263,6 +264,7 @@ def forward_keeping_norms(
             # (a split query's scores-only loop ran 5 % slower with the early load: ColPali 357 -> 376 us)
             EARLY_NORMS=norms_given and (need_argmax or n_rsplit == 1),
             STREAM_D=stream, DOC_SPLIT=n_dsplit > 1, PACKED=per_block > 0, DOC_ROWS=doc_rows,
+            MASK_BITS=stream and d_mask is not None and cfg.BLOCK_N <= 64 and bool(settings.STREAM_MASK_BITS),
         ),
         cfg.num_warps,
         cfg.num_stages,
@@ -383,16 +385,17 @@ def deep_pipelined(n_programs: int, cfg: ForwardConfig, Ld: int, D: Tensor) -> b
 
 
 def once_read_scan(
-    sg: Segs, shared: bool, n_qblocks: int, n_rsplit: int, cfg: ForwardConfig, D: Tensor, masked: bool, K: int
+    sg: Segs, shared: bool, n_qblocks: int, n_rsplit: int, cfg: ForwardConfig, D: Tensor, masked: bool, K: int,
+    normalize: bool,
 ) -> str | None:  # fmt: skip
     """How the scores-only forward reads ``D`` if every document tile is read by one program alone (a shared
     document by the only block of query rows, a query's own candidate by its only row split; a pair list may name a
     document twice), 16-bit tokens in one dim chunk, thin row blocks: ``"stream"`` (the ``STREAM_D`` loop; the
     loop keeps two tiles in registers) for a scan of STREAM_L2_RANGE times the L2's size (masked tokens included:
-    the mask is not read on the host) with a document mask only with wide tiles (STREAM_MASKED_MIN_BLOCK_K),
-    ``"table"`` (the pipelined loop with ``once_read_config``'s tiles) for a dense unmasked scan of one 128-wide
-    chunk beyond the card's ONCE_READ_TABLE_L2 (blocks of 33-64 rows with ``K`` > 1 documents a query:
-    ONCE_READ_WIDE_TABLE_L2 on those cards), else None (the table's configuration as it is)."""
+    the mask is not read on the host), ``"table"`` (the pipelined loop with ``once_read_config``'s tiles) for a
+    dense scan of one 128-wide chunk beyond the card's ONCE_READ_TABLE_L2 (blocks of 33-64 rows with ``K`` > 1
+    documents a query: ONCE_READ_WIDE_TABLE_L2 on those cards), unmasked or (ONCE_READ_TABLE_MASKED_SUMS)
+    normalized blocks of at most 32 rows, else None (the table's configuration as it is)."""
     readers = n_qblocks * n_rsplit if shared else n_rsplit
     if readers != 1 or sg.pairs or D.element_size() != 2 or cfg.NUM_K != 1:
         return None
@@ -400,13 +403,15 @@ def once_read_scan(
     if rows > (settings.STREAM_SHARED_MAX_ROWS if shared else settings.STREAM_UNSHARED_MAX_ROWS):
         return None
     l2s = D.numel() * D.element_size() / device_info.l2_bytes(D.device)
-    wide_dense = not masked and sg.d_kind == DENSE and cfg.BLOCK_K == 128
+    # (a document mask: normalized thin blocks only, see ONCE_READ_TABLE_MASKED_SUMS)
+    table_mask = normalize and rows <= 32 and bool(settings.ONCE_READ_TABLE_MASKED_SUMS)
+    wide_dense = (not masked or table_mask) and sg.d_kind == DENSE and cfg.BLOCK_K == 128
     bound = once_read_table_l2(D.device)
     if rows > 32 and bound != math.inf and K > 1:  # (one document a query: nothing to walk, see there)
         bound = min(bound, settings.ONCE_READ_WIDE_TABLE_L2)
     if settings.ONCE_READ_TABLE and wide_dense and l2s > bound:
         return "table"
-    if not settings.STREAM_ONCE_READ or (masked and cfg.BLOCK_K < settings.STREAM_MASKED_MIN_BLOCK_K):
+    if not settings.STREAM_ONCE_READ:
         return None
     lo, hi = settings.STREAM_L2_RANGE
     return "stream" if lo <= l2s <= hi else None

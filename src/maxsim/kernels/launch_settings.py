@@ -178,9 +178,12 @@ ONE_DOC_GAIN = 1.3
 # 42.7 -> 43.6 us, pairs 512 Ld300 23.0 -> 25.1 us, candidates 256x16 Ld300 124.4 -> 126.9 us.
 # With a document mask (v39: the mask of a tile is loaded a tile ahead of its tokens, whose loads it predicated
 # until v131): 1x1000 Ld300 40.2 -> 38.2 us, candidates 32x50 40.5 -> 37.8, 32x100 86.0 -> 79.8 (prefix masks), but
-# dim 48 in 32-token tiles 48.9 -> 60.2 (a tile's work too short to hide the mask's latency): masked scans stream
-# from STREAM_MASKED_MIN_BLOCK_K dims up. (Measured before v131's unpredicated loads, which took the masked streams
-# 0.87-0.88x; narrower masked scans were not measured again.) A query's own documents stream for queries of up to
+# dim 48 in 32-token tiles 48.9 -> 60.2 (a tile's work too short to hide the mask's latency), so narrow masked
+# scans did not stream until v133. Its mask bits (STREAM_MASK_BITS) took them 0.64-1.00x (H200, in-process,
+# h200-knobs-mask-bits.txt's call A, all-true masks, us, pipelined loop -> stream with bits: candidates 16x100 Lq23
+# Ld333 dim 48 43.4 -> 27.6, 128x7 Ld1024 dim 64 48.7 -> 40.1, 1x1000 Ld1024 dim 48 41.4 -> 37.1, 1x4000 Ld1024 dim
+# 64 139.9 -> 139.1, 16x2000 Ld512 dim 64 339.8 -> 340.7): masked scans stream at any width. A query's own
+# documents stream for queries of up to
 # STREAM_UNSHARED_MAX_ROWS rows (33-64 tokens: 32-token tiles, configs.streaming_config), shared documents for
 # STREAM_SHARED_MAX_ROWS. H100,
 # in-process (`.devdata` sweep, docs/performance.md v49): candidates 64x20 Lq64 Ld300 53.2 -> 45.4 us, 32x100 Lq48
@@ -192,7 +195,14 @@ STREAM_UNSHARED_MAX_ROWS = 64
 STREAM_SHARED_MAX_ROWS = 64
 STREAM_ONCE_READ = 1
 STREAM_L2_RANGE = (0.5, 7.0)
-STREAM_MASKED_MIN_BLOCK_K = 128
+# A masked stream's tiles of at most 64 tokens carry their masks as bits (forward.py's MASK_BITS, _tile_bits), not
+# as a flag a column: 64-row blocks in 32-token tiles took 83 registers instead of 112 (6 programs a multiprocessor
+# instead of 4). H200, in-process (tools/knobs.py infer --masked, h200-knobs-mask-bits.txt's calls A and C), us,
+# flags -> bits: 1x5000 Lq64 Ld180 97.7 -> 78.9 (unmasked 67.1), candidates 64x20 Lq64 44.9 -> 39.4, 32x100 Lq48
+# 82.8 -> 69.7; 32-row blocks 0.98-1.01x, normalized 0.94-1.00x (1x1000 Ld1024 101.2 -> 94.8). Not for the pipelined
+# loops, which read a tile's mask in the tile's own iteration (bits there: 128x128 Lq32 Ld300 1.13x slower, 7x1000
+# dim 96 1.22x, ColPali 1x500 1.10x, normalized 64-row blocks 1.23-1.52x; training steps 0.91-1.24x).
+STREAM_MASK_BITS = 1
 # Per card (a substring of its name, first match): the L2 sizes beyond which a dense unmasked once-read scan of
 # 16-bit tokens of 65-128 dims (one chunk of 128) runs the table's pipelined loop with
 # configs.once_read_config's tiles instead of the stream, whatever STREAM_L2_RANGE says. On an H200 the stream's one
@@ -201,9 +211,14 @@ STREAM_MASKED_MIN_BLOCK_K = 128
 # 1x1000 Ld1024 (4.2) 75.6 -> 74.1, 1x5000 Lq64 Ld180 (3.7) 75.7 -> 69.8, candidates 64x40 Lq64 (3.1) 68.3 -> 63.1;
 # 1x2000 Ld300 (2.4) 52.4 -> 52.3; below, the stream wins: 1x1500 Ld300 (1.8) 41.7 against 44.1, candidates 64x20
 # Lq64 (1.6) 37.5 against 41.1. Other cards (H100: v38's stream-over-table measurements) keep STREAM_L2_RANGE.
-# ONCE_READ_TABLE = 0 turns the rule off (tools/knobs.py).
+# ONCE_READ_TABLE = 0 turns the rule off (tools/knobs.py). With a document mask, normalized blocks of at most 32 rows
+# take the table too (ONCE_READ_TABLE_MASKED_SUMS): H200, in-process (h200-knobs-mask-bits.txt's call B), us, stream
+# with mask bits -> table: candidates 32x100 Lq32 Ld256 86.8 -> 72.0, 1x1000 Ld1024 95.1 -> 86.3, 1x10000 Ld300 and
+# 1x4000 Ld1024 dim 64 1.00x; not plain ones (candidates 32x100 63.2 -> 67.5, the rest 0.99-1.01x) nor 64-row blocks
+# (plain 1.26-1.44x slower, normalized 1.12-1.27x).
 ONCE_READ_TABLE_L2: tuple[tuple[str, float], ...] = (("H200", 2.0),)
 ONCE_READ_TABLE = 1
+ONCE_READ_TABLE_MASKED_SUMS = 1
 # On those cards, blocks of 33-64 rows take the table from ONCE_READ_WIDE_TABLE_L2 L2 sizes (its programs persistent,
 # configs.ONCE_READ_WIDE_PERSIST: the stream's tiles were worth more than one-document table programs, not than
 # persistent ones). H200, in-process, stream -> persistent table (docs/performance.md v96): 1x1000 Lq64 Ld300 (1.2

@@ -1,0 +1,185 @@
+"""A masked stream carries each tile's mask as the bits of one integer (forward.py's ``MASK_BITS``,
+``launch_settings.STREAM_MASK_BITS``), not as one flag a column: chosen where the rule says, and computing what the
+flags computed, bit for bit, on every loop that streams (one program a document, persistent walks, chunked documents,
+DOC_ROWS), with holes on the bits where a word or a half ends, fully masked documents and NaN in masked tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from helpers import INTERPRET, forward_launches, int_grid, kernels_on
+
+from maxsim import maxsim, reference
+from maxsim.kernels import configs, device_info, launch, launch_forward, launch_settings
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() or INTERPRET), reason="Triton kernels: a GPU or TRITON_INTERPRET=1"
+)
+
+DTYPE = torch.bfloat16 if torch.cuda.is_available() and not INTERPRET else torch.float16
+
+
+@pytest.fixture
+def any_size(monkeypatch):
+    """Streams for scans of any size (the rule would exclude every small test shape); plans cleared."""
+    monkeypatch.setattr(launch_settings, "STREAM_L2_RANGE", (0.0, math.inf))
+    launch_forward.plans.clear()
+    yield
+    launch_forward.plans.clear()
+
+
+def _flags(monkeypatch, call) -> list[tuple[bool, bool, int]]:
+    """``(STREAM_D, MASK_BITS, BLOCK_N)`` of every forward launch ``call`` makes (recorded, not run)."""
+    return forward_launches(monkeypatch, call, lambda c, warps, stages: (c["STREAM_D"], c["MASK_BITS"], c["BLOCK_N"]))
+
+
+RULE_CASES = {
+    # name: (Q shape, D shape, masked, extra settings, expected (STREAM_D, MASK_BITS))
+    "thin block, 64-token tiles": ((1, 32, 128), (6, 50, 128), True, {}, (True, True)),
+    "64-row block, 32-token tiles": ((1, 48, 128), (6, 50, 128), True, {}, (True, True)),
+    "narrow tokens": ((1, 32, 64), (6, 50, 64), True, {}, (True, True)),
+    "candidates": ((2, 20, 96), (2, 3, 50, 96), True, {}, (True, True)),
+    "no mask": ((1, 32, 128), (6, 50, 128), False, {}, (True, False)),
+    "no stream": ((1, 32, 128), (6, 50, 128), True, {"STREAM_ONCE_READ": 0}, (False, False)),
+    "setting off": ((1, 32, 128), (6, 50, 128), True, {"STREAM_MASK_BITS": 0}, (True, False)),
+}
+
+
+@pytest.mark.parametrize("case", list(RULE_CASES), ids=list(RULE_CASES))
+def test_mask_bits_chosen_where_the_rule_says(case, device, monkeypatch, any_size):
+    """A document mask in a stream of tiles of at most 64 tokens; never without a mask or outside the stream."""
+    q_shape, d_shape, masked, extra, expected = RULE_CASES[case]
+    for name, value in extra.items():
+        monkeypatch.setattr(launch_settings, name, value)
+    Q = torch.randn(q_shape, dtype=DTYPE, device=device)
+    D = torch.randn(d_shape, dtype=DTYPE, device=device)
+    d_mask = torch.ones(d_shape[:-1], dtype=torch.bool, device=device) if masked else None
+    kernels_on(device)
+    seen = _flags(monkeypatch, lambda: maxsim(Q, D, d_mask=d_mask))
+    assert [s[:2] for s in seen] == [expected]
+    assert seen[0][2] <= 64 or not seen[0][1]
+
+
+def test_mask_bits_not_for_128_token_tiles(device, monkeypatch, any_size):
+    """A stream given the launch table's 128-token tiles (a caller's configuration) keeps the flags: the bits of
+    a tile fit one int64."""
+    Q = torch.randn(1, 12, 32, dtype=DTYPE, device="cpu")
+    D = torch.randn(1, 4, 300, 32, dtype=DTYPE, device="cpu")
+    d_mask = torch.ones(D.shape[:-1], dtype=torch.bool)
+    cfg = dataclasses.replace(configs.forward_config(12, 32, 1, True), BLOCK_N=128)
+    seen = _flags(monkeypatch, lambda: launch.forward(Q, D, None, d_mask, False, False, cfg=cfg))
+    assert seen == [(True, False, 128)]
+
+
+def _holes(d_shape, device) -> torch.Tensor:
+    """A mask with holes on the bits where a 32-bit word and a 64-token tile end (tokens 0, 31, 32, 63, 64, 95),
+    random holes elsewhere, one fully masked document and one whose only valid token is its last; the last
+    document's last token is valid."""
+    g = torch.Generator().manual_seed(11)
+    mask = torch.rand(d_shape[:-1], generator=g) < 0.7
+    ld = d_shape[-2]
+    for t in (0, 31, 32, 63, 64, 95):
+        if t < ld:
+            mask[..., t] = (t // 31) % 2 == 1
+    mask.view(-1, ld)[0] = False
+    mask.view(-1, ld)[1] = False
+    mask.view(-1, ld)[1, -1] = True
+    mask.view(-1, ld)[-1, -1] = True  # (the last document holds a valid token: a NaN goes there)
+    return mask.to(device)
+
+
+EXACT_CASES = {
+    # name: (Q shape, D shape, configuration: None (the launch table's) or "persistent")
+    "64-row block, 32-token tiles": ((1, 40, 128), (1, 5, 100, 128), None),
+    "thin block, 64-token tiles (DOC_ROWS)": ((1, 20, 128), (1, 5, 130, 128), None),
+    "candidates, narrow tokens": ((3, 12, 48), (3, 3, 70, 48), None),
+    "one-token documents": ((1, 9, 64), (1, 4, 1, 64), None),
+    "persistent walk": ((1, 20, 128), (1, 9, 70, 128), "persistent"),
+}
+
+
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalized"])
+@pytest.mark.parametrize("case", list(EXACT_CASES), ids=list(EXACT_CASES))
+def test_mask_bits_match_the_flags(case, normalize, device, monkeypatch, any_size):
+    """Integer data (ties everywhere), NaN and inf in masked tokens (never read), a NaN in a valid one: the stream
+    with its masks as bits gives the flags' scores bit for bit, and the float64 reference's."""
+    q_shape, d_shape, how = EXACT_CASES[case]
+    if normalize and q_shape[1] > 32 and q_shape[2] == 128:
+        pytest.skip("masked, normalized 64-row blocks at 128 dims leave the stream (tests/test_doc_rows.py)")
+    Q = int_grid(q_shape, seed=1, dtype=DTYPE, device=device)
+    D = int_grid(d_shape, seed=2, dtype=DTYPE, device=device)
+    d_mask = _holes(d_shape, device)
+    D[0, 0, 0, 0] = float("nan")  # (the fully masked document)
+    D[0, 2][~d_mask[0, 2]] = float("inf")
+    valid = d_mask[-1, -1].nonzero()
+    D[-1, -1, valid[-1, 0], 0] = float("nan")
+    cfg = None
+    if how == "persistent":  # (one multiprocessor: each program walks several documents)
+        monkeypatch.setattr(device_info, "sm_count", lambda device: 1)
+        cfg = dataclasses.replace(configs.forward_config(q_shape[1], q_shape[2], q_shape[0], True), persist=2)
+    kernels_on(device)
+    runs = {}
+    for bits in (1, 0):
+        monkeypatch.setattr(launch_settings, "STREAM_MASK_BITS", bits)
+        launch_forward.plans.clear()
+
+        def call():
+            return launch.forward(Q, D, None, d_mask, normalize, False, cfg=cfg)
+
+        seen = forward_launches(monkeypatch, call, lambda c, w, s: (c["STREAM_D"], c["MASK_BITS"], c["PERSIST"]))
+        assert seen == [(True, bool(bits), how == "persistent")]
+        runs[bits] = call()[0]
+    torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=0, equal_nan=True)
+    ref = reference.maxsim(Q.double(), D.double(), d_mask=d_mask, normalize=normalize)
+    torch.testing.assert_close(runs[1].double(), ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert runs[1][0, 0] == 0 and torch.isnan(runs[1][-1, -1])
+
+
+def test_mask_bits_chunked_documents(device, monkeypatch, any_size):
+    """Documents scanned in chunks of tiles by programs of their own (DOC_SPLIT): each chunk's bits start at its own
+    first token."""
+    monkeypatch.setattr(device_info, "sm_count", lambda device: 4096)
+    monkeypatch.setattr(launch_settings, "DEEP_PIPELINE", 0)
+    monkeypatch.setattr(launch_settings, "DOC_SPLIT_MIN_TILES", 1)
+    Q = int_grid((1, 20, 128), seed=3, dtype=DTYPE, device=device)
+    D = int_grid((1, 2, 300, 128), seed=4, dtype=DTYPE, device=device)
+    d_mask = _holes(D.shape, device)
+    kernels_on(device)
+    seen = forward_launches(
+        monkeypatch,
+        lambda: launch.forward(Q, D, None, d_mask, False, False),
+        lambda c, w, s: (c["STREAM_D"], c["MASK_BITS"], c["DOC_SPLIT"]),
+    )
+    assert seen == [(True, True, True)]
+    launch_forward.plans.clear()
+    out = launch.forward(Q, D, None, d_mask, False, False)[0]
+    torch.testing.assert_close(out.double(), reference.maxsim(Q.double(), D.double(), d_mask=d_mask), rtol=0, atol=0)
+
+
+def test_masked_normalized_table_matches_the_stream(device, monkeypatch):
+    """Normalized thin blocks with a document mask take the once-read table past the card's bound
+    (ONCE_READ_TABLE_MASKED_SUMS): its scores are the stream's within 2 ulp, and the reference's."""
+    monkeypatch.setattr(launch_settings, "DEEP_PIPELINE", 0)
+    monkeypatch.setattr(launch_settings, "DOC_SPLIT_PROGRAMS_PER_SM", 0)
+    monkeypatch.setattr(launch_settings, "STREAM_L2_RANGE", (0.0, math.inf))
+    monkeypatch.setattr(device_info, "card_name", lambda device: "NVIDIA H200")
+    Q = int_grid((2, 12, 128), seed=5, dtype=DTYPE, device=device)
+    D = int_grid((2, 3, 90, 128), seed=6, dtype=DTYPE, device=device)
+    d_mask = _holes(D.shape, device)
+    kernels_on(device)
+    runs = {}
+    nbytes = D.numel() * D.element_size()
+    for name, l2s in (("stream", 1.0), ("table", 3.0)):
+        monkeypatch.setattr(device_info, "l2_bytes", lambda device, n=int(nbytes / l2s): n)
+        launch_forward.plans.clear()
+        seen = forward_launches(monkeypatch, lambda: maxsim(Q, D, d_mask=d_mask, normalize=True), lambda c, w, s: c)
+        assert [c["STREAM_D"] for c in seen] == [name == "stream"]
+        runs[name] = maxsim(Q, D, d_mask=d_mask, normalize=True)
+    launch_forward.plans.clear()
+    torch.testing.assert_close(runs["table"], runs["stream"], rtol=2.5e-7, atol=0)
+    ref = reference.maxsim(Q.double(), D.double(), d_mask=d_mask, normalize=True)
+    torch.testing.assert_close(runs["table"].double(), ref, rtol=1e-5, atol=1e-5)
+    assert runs["table"][0, 0] == 0
