@@ -6,6 +6,7 @@ and on CPU tensors only when ``TRITON_INTERPRET=1`` was set before import (the T
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -44,6 +45,18 @@ def _seed_and_restore_backend():
     before = maxsim.get_backend()
     yield
     maxsim.set_backend(before)
+
+
+@pytest.fixture
+def any_size(monkeypatch):
+    """Once-read scans stream at any size (STREAM_L2_RANGE's rule would exclude every small test shape); forward
+    plans cleared before and after."""
+    from maxsim.kernels import launch_forward, launch_settings
+
+    monkeypatch.setattr(launch_settings, "STREAM_L2_RANGE", (0.0, math.inf))
+    launch_forward.plans.clear()
+    yield
+    launch_forward.plans.clear()
 
 
 @pytest.fixture(params=["torch", "triton"])

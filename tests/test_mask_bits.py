@@ -22,15 +22,6 @@ pytestmark = pytest.mark.skipif(
 DTYPE = torch.bfloat16 if torch.cuda.is_available() and not INTERPRET else torch.float16
 
 
-@pytest.fixture
-def any_size(monkeypatch):
-    """Streams for scans of any size (the rule would exclude every small test shape); plans cleared."""
-    monkeypatch.setattr(launch_settings, "STREAM_L2_RANGE", (0.0, math.inf))
-    launch_forward.plans.clear()
-    yield
-    launch_forward.plans.clear()
-
-
 def _flags(monkeypatch, call) -> list[tuple[bool, bool, int]]:
     """``(STREAM_D, MASK_BITS, BLOCK_N)`` of every forward launch ``call`` makes (recorded, not run)."""
     return forward_launches(monkeypatch, call, lambda c, warps, stages: (c["STREAM_D"], c["MASK_BITS"], c["BLOCK_N"]))

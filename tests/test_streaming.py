@@ -24,15 +24,6 @@ pytestmark = pytest.mark.skipif(
 DTYPE = torch.bfloat16 if torch.cuda.is_available() and not INTERPRET else torch.float16
 
 
-@pytest.fixture
-def any_size(monkeypatch):
-    """Streaming allowed for scans of any size (the rule would exclude every small test shape)."""
-    monkeypatch.setattr(launch_settings, "STREAM_L2_RANGE", (0.0, math.inf))
-    launch_forward.plans.clear()
-    yield
-    launch_forward.plans.clear()
-
-
 def _forward(Q, D, d_mask, normalize, stream: int, cfg, monkeypatch):
     monkeypatch.setattr(launch_settings, "STREAM_ONCE_READ", stream)
     launch_forward.plans.clear()
