@@ -255,7 +255,9 @@ def once_read_config(cfg: ForwardConfig, Ld: int) -> ForwardConfig:
     flight across their boundaries (a 180-token document is under six tiles, about the pipeline's fill): H200,
     in-process (docs/performance.md v95), 1x5000 Lq64 Ld180 69.6 -> 67.3 us (kernel 62.9 -> 56.1), candidates
     32x100 Lq48 Ld256 64.2 -> 63.7; 32-row blocks gain nothing (1x10000 Ld300 1.00x at 4 a multiprocessor,
-    1x1000 Ld1024 1.03-1.38x slower: a document or two a program)."""
+    1x1000 Ld1024 1.03-1.38x slower: a document or two a program; again in DOC_ROWS, v133's run: 2 / 4 a
+    multiprocessor 1.01 / 1.15x, 1.01 / 1.14x, candidates 32x100 Ld256 1.04 / 1.22x; 4 stages (3 for the long
+    tiles) 0.99-1.01x; 128-token tiles in 2 stages 1.00-1.10x)."""
     persist = 0
     if cfg.BQ * cfg.TQ > 32:
         bn, stages, persist = ONCE_READ_WIDE_BLOCK_N, ONCE_READ_WIDE_STAGES, ONCE_READ_WIDE_PERSIST
