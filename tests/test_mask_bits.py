@@ -1,7 +1,8 @@
-"""A masked stream carries each tile's mask as the bits of one integer (forward.py's ``MASK_BITS``,
-``launch_settings.STREAM_MASK_BITS``), not as one flag a column: chosen where the rule says, and computing what the
-flags computed, bit for bit, on every loop that streams (one program a document, persistent walks, chunked documents,
-DOC_ROWS), with holes on the bits where a word or a half ends, fully masked documents and NaN in masked tokens."""
+"""A masked scan carries each tile's mask as the bits of one integer (forward.py's ``MASK_BITS``;
+``launch_settings.STREAM_MASK_BITS`` in the stream, ``PIPE_MASK_BITS`` in the pipelined loops), not as one flag a
+column: chosen where the rule says, and computing what the flags computed, bit for bit, on every loop (one program a
+document, persistent walks, chunked documents, DOC_ROWS, the argmax of a training forward), with holes on the bits
+where a word or a half ends, fully masked documents and NaN in masked tokens."""
 
 from __future__ import annotations
 
@@ -34,14 +35,17 @@ RULE_CASES = {
     "narrow tokens": ((1, 32, 64), (6, 50, 64), True, {}, (True, True)),
     "candidates": ((2, 20, 96), (2, 3, 50, 96), True, {}, (True, True)),
     "no mask": ((1, 32, 128), (6, 50, 128), False, {}, (True, False)),
-    "no stream": ((1, 32, 128), (6, 50, 128), True, {"STREAM_ONCE_READ": 0}, (False, False)),
     "setting off": ((1, 32, 128), (6, 50, 128), True, {"STREAM_MASK_BITS": 0}, (True, False)),
-}
+    "pipelined loop": ((1, 32, 128), (6, 50, 128), True, {"STREAM_ONCE_READ": 0}, (False, True)),
+    "pipelined, shared by row blocks": ((8, 32, 128), (6, 50, 128), True, {}, (False, True)),
+    "pipelined, setting off": ((1, 32, 128), (6, 50, 128), True, {"STREAM_ONCE_READ": 0, "PIPE_MASK_BITS": 0},
+                               (False, False)),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(RULE_CASES), ids=list(RULE_CASES))
 def test_mask_bits_chosen_where_the_rule_says(case, device, monkeypatch, any_size):
-    """A document mask in a stream of tiles of at most 64 tokens; never without a mask or outside the stream."""
+    """A document mask in tiles of at most 64 tokens, streamed or pipelined; never without a mask."""
     q_shape, d_shape, masked, extra, expected = RULE_CASES[case]
     for name, value in extra.items():
         monkeypatch.setattr(launch_settings, name, value)
@@ -92,14 +96,16 @@ EXACT_CASES = {
 }
 
 
-@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalized"])
-@pytest.mark.parametrize("case", list(EXACT_CASES), ids=list(EXACT_CASES))
-def test_mask_bits_match_the_flags(case, normalize, device, monkeypatch, any_size):
-    """Integer data (ties everywhere), NaN and inf in masked tokens (never read), a NaN in a valid one: the stream
-    with its masks as bits gives the flags' scores bit for bit, and the float64 reference's."""
-    q_shape, d_shape, how = EXACT_CASES[case]
-    if normalize and q_shape[1] > 32 and q_shape[2] == 128:
-        pytest.skip("masked, normalized 64-row blocks at 128 dims leave the stream (tests/test_doc_rows.py)")
+#: loop: (the settings that choose it, the setting that turns its bits on and off, whether it streams)
+LOOPS = {
+    "stream": ({}, "STREAM_MASK_BITS", True),
+    "pipelined": ({"STREAM_ONCE_READ": 0}, "PIPE_MASK_BITS", False),
+}
+
+
+def _poisoned(q_shape, d_shape, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Integer queries and documents (ties everywhere) with :func:`_holes`' mask, NaN and inf in masked tokens (never
+    read) and a NaN in the last document's last valid token."""
     Q = int_grid(q_shape, seed=1, dtype=DTYPE, device=device)
     D = int_grid(d_shape, seed=2, dtype=DTYPE, device=device)
     d_mask = _holes(d_shape, device)
@@ -107,21 +113,40 @@ def test_mask_bits_match_the_flags(case, normalize, device, monkeypatch, any_siz
     D[0, 2][~d_mask[0, 2]] = float("inf")
     valid = d_mask[-1, -1].nonzero()
     D[-1, -1, valid[-1, 0], 0] = float("nan")
+    return Q, D, d_mask
+
+
+@pytest.mark.parametrize("loop", list(LOOPS))
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalized"])
+@pytest.mark.parametrize("case", list(EXACT_CASES), ids=list(EXACT_CASES))
+def test_mask_bits_match_the_flags(case, normalize, loop, device, monkeypatch, any_size):
+    """The scan with its masks as bits gives the flags' scores bit for bit on :func:`_poisoned`'s inputs, and the
+    float64 reference's."""
+    q_shape, d_shape, how = EXACT_CASES[case]
+    chooser, setting, streams = LOOPS[loop]
+    if streams and normalize and q_shape[1] > 32 and q_shape[2] == 128:
+        pytest.skip("masked, normalized 64-row blocks at 128 dims leave the stream (tests/test_doc_rows.py)")
+    for name, value in chooser.items():
+        monkeypatch.setattr(launch_settings, name, value)
+    Q, D, d_mask = _poisoned(q_shape, d_shape, device)
     cfg = None
     if how == "persistent":  # (one multiprocessor: each program walks several documents)
         monkeypatch.setattr(device_info, "sm_count", lambda device: 1)
         cfg = dataclasses.replace(configs.forward_config(q_shape[1], q_shape[2], q_shape[0], True), persist=2)
+    elif not streams:  # (the launch table's 128-token tiles for some: a tile's bits fit one int64)
+        cfg = configs.forward_config(q_shape[1], q_shape[2], q_shape[0], d_shape[0] == 1)
+        cfg = dataclasses.replace(cfg, BLOCK_N=min(cfg.BLOCK_N, 64))
     kernels_on(device)
     runs = {}
     for bits in (1, 0):
-        monkeypatch.setattr(launch_settings, "STREAM_MASK_BITS", bits)
+        monkeypatch.setattr(launch_settings, setting, bits)
         launch_forward.plans.clear()
 
         def call():
             return launch.forward(Q, D, None, d_mask, normalize, False, cfg=cfg)
 
         seen = forward_launches(monkeypatch, call, lambda c, w, s: (c["STREAM_D"], c["MASK_BITS"], c["PERSIST"]))
-        assert seen == [(True, bool(bits), how == "persistent")]
+        assert seen == [(streams, bool(bits), seen[0][2])] and seen[0][2] >= (how == "persistent")
         runs[bits] = call()[0]
     torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=0, equal_nan=True)
     ref = reference.maxsim(Q.double(), D.double(), d_mask=d_mask, normalize=normalize)
@@ -129,9 +154,41 @@ def test_mask_bits_match_the_flags(case, normalize, device, monkeypatch, any_siz
     assert runs[1][0, 0] == 0 and torch.isnan(runs[1][-1, -1])
 
 
-def test_mask_bits_chunked_documents(device, monkeypatch, any_size):
+@pytest.mark.parametrize("persistent", [False, True], ids=["one program a document", "persistent walk"])
+def test_mask_bits_argmax_of_a_training_forward(persistent, device, monkeypatch, any_size):
+    """The training forward's pipelined loop (with the argmax) with its masks as bits: the flags' scores and argmax
+    bit for bit (ties: the first token), -1 for the rows of the fully masked document."""
+    Q, D, d_mask = _poisoned((2, 20, 64), (2, 5, 100, 64), device)
+    cfg = dataclasses.replace(configs.forward_config(20, 64, 2, False), BLOCK_N=64, persist=2 if persistent else 0)
+    if persistent:
+        monkeypatch.setattr(device_info, "sm_count", lambda device: 1)
+    kernels_on(device)
+    runs = {}
+    for bits in (1, 0):
+        monkeypatch.setattr(launch_settings, "PIPE_MASK_BITS", bits)
+        launch_forward.plans.clear()
+
+        def call():
+            return launch.forward(Q, D, None, d_mask, False, True, cfg=cfg)
+
+        seen = forward_launches(monkeypatch, call, lambda c, w, s: (c["SAVE_ARGMAX"], c["MASK_BITS"], c["PERSIST"]))
+        assert seen == [(True, bool(bits), persistent)]
+        runs[bits] = call()
+    launch_forward.plans.clear()
+    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(runs[1][1], runs[0][1])
+    assert (runs[1][1][0, 0] == -1).all() and (runs[1][1][0, 1] == D.shape[2] - 1).all()
+    ref = reference.maxsim(Q.double(), D.double(), d_mask=d_mask)
+    torch.testing.assert_close(runs[1][0].double(), ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("loop", list(LOOPS))
+def test_mask_bits_chunked_documents(loop, device, monkeypatch, any_size):
     """Documents scanned in chunks of tiles by programs of their own (DOC_SPLIT): each chunk's bits start at its own
     first token."""
+    chooser, _setting, streams = LOOPS[loop]
+    for name, value in chooser.items():
+        monkeypatch.setattr(launch_settings, name, value)
     monkeypatch.setattr(device_info, "sm_count", lambda device: 4096)
     monkeypatch.setattr(launch_settings, "DEEP_PIPELINE", 0)
     monkeypatch.setattr(launch_settings, "DOC_SPLIT_MIN_TILES", 1)
@@ -144,7 +201,7 @@ def test_mask_bits_chunked_documents(device, monkeypatch, any_size):
         lambda: launch.forward(Q, D, None, d_mask, False, False),
         lambda c, w, s: (c["STREAM_D"], c["MASK_BITS"], c["DOC_SPLIT"]),
     )
-    assert seen == [(True, True, True)]
+    assert seen == [(streams, True, True)]
     launch_forward.plans.clear()
     out = launch.forward(Q, D, None, d_mask, False, False)[0]
     torch.testing.assert_close(out.double(), reference.maxsim(Q.double(), D.double(), d_mask=d_mask), rtol=0, atol=0)

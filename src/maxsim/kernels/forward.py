@@ -71,7 +71,9 @@ def _tile_bits(dm_doc, n0, d_len, sdm_l, BLOCK_N: tl.constexpr):
     tokens, int64 up to 64). A stream carries its tiles' masks from their loads to their selects two tiles later:
     as flags, each tile held a predicate a column in every thread and packed them into registers and out again
     (112 registers against the unmasked loop's 79 for 64-row blocks: two programs fewer a multiprocessor); as
-    bits, one register, and the load's columns are gathered by one warp reduction."""
+    bits, one register, and the load's columns are gathered by one warp reduction. A pipelined loop reads its
+    next tile's bits during this one (its flags, read in the tile's own iteration, each took a byte load, its
+    address and two compares a column in every thread, and the loads' latency in front of the select)."""
     tl.static_assert(BLOCK_N <= 64, "a tile's mask bits fit one int64")
     if BLOCK_N > 32:  # (two 32-column halves: a warp's reduction each, where 64 columns went through shared memory)
         lo = _tile_bits(dm_doc, n0, d_len, sdm_l, 32).to(tl.int64) & 0xFFFFFFFF
@@ -351,7 +353,8 @@ def _row_block(
     a2 = _argmax_slots(BLOCK_M, BLOCK_N, SAVE_ARGMAX)
     any_valid = tl.zeros([BLOCK_N], dtype=tl.int32)
     q_op = _mma_queries(qt, DOC_ROWS)
-    # STREAM_D: a tile's tokens one tile ahead of their MMA, its mask (for the select after it) one tile further.
+    # STREAM_D: a tile's tokens one tile ahead of their MMA, its mask (for the select after it) one tile further;
+    # the pipelined loop's tiles come through the copies' stages, and MASK_BITS carries their masks a tile ahead.
     MASK_AHEAD: tl.constexpr = HAS_DMASK and STREAM_D
     ok = _ahead_ok(dm_doc, 0, d_len, sdm_l, BLOCK_N, MASK_AHEAD, MASK_BITS)
     dt = _first_tile(d_base, d_len, sd_l, dim, d_len > 0, BLOCK_N, BLOCK_K, STREAM_D)
@@ -362,6 +365,8 @@ def _row_block(
             dt = _stream_tile(d_base, n0 + BLOCK_N, d_len, sd_l, dim, n0 + BLOCK_N < d_len, BLOCK_N, BLOCK_K)
             ok = ok_next
             ok_next = _ahead_ok(dm_doc, n0 + 2 * BLOCK_N, d_len, sdm_l, BLOCK_N, MASK_AHEAD, MASK_BITS)
+        elif MASK_BITS:  # (two tiles ahead, its load stopped Triton's pipeliner from staging the copies at all)
+            ok = _tile_bits(dm_doc, n0 + BLOCK_N, d_len, sdm_l, BLOCK_N)
         m2, a2, any_valid = _scan_tile(
             q_op, q_rows, row_ok, d_base, dm_doc, inv_doc, n0, d_len, dim, sd_l, sdm_l, sid_l, m2, a2,
             any_valid, dt_pre, ok_pre, BLOCK_N, BLOCK_K, NUM_K, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX,
@@ -414,8 +419,9 @@ def maxsim_fwd_kernel(
     document.
 
     ``STREAM_D`` (``NUM_K == 1``): every document tile is read by this program only; it is loaded one tile ahead
-    with an evict-first hint (``_stream_tile``), its mask two tiles ahead; ``MASK_BITS`` (a document mask, tiles of
-    at most 64 tokens): the mask carried as one integer a tile (:func:`_tile_bits`).
+    with an evict-first hint (``_stream_tile``), its mask two tiles ahead. ``MASK_BITS`` (a document mask, tiles of
+    at most 64 tokens): the mask carried as one integer a tile (:func:`_tile_bits`), read a tile ahead in the
+    pipelined loops too.
 
     ``DOC_SPLIT`` (not with ``PERSIST``): each document is scanned in ``n_dsplit`` chunks of ``chunk_len`` tokens (a
     multiple of ``BLOCK_N``) by programs of their own, for launches that would otherwise leave multiprocessors idle
@@ -511,6 +517,10 @@ def maxsim_fwd_kernel(
                 ok_next = _ahead_ok(
                     dm_next, n_next, tl.where(it + 2 < n_it, Ld, 0), sdm_l, BLOCK_N, MASK_AHEAD, MASK_BITS
                 )
+            elif MASK_BITS:  # (the pipelined loop: the next tile's mask bits, as _row_block's)
+                dm_next = dm_row + ((it + 1) // n_tiles) * sdm_k
+                n_next = ((it + 1) % n_tiles) * BLOCK_N
+                ok = _tile_bits(dm_next, n_next, tl.where(it + 1 < n_it, Ld, 0), sdm_l, BLOCK_N)
             m2, a2, any_valid = _scan_tile(
                 q_op, q_rows, row_ok, D + b * sd_b + k * sd_k, DM + b * sdm_b + k * sdm_k,
                 INV_D + b * sid_b + k * sid_k, n0, Ld, dim, sd_l, sdm_l, sid_l, m2, a2, any_valid, dt_pre, ok_pre,

@@ -109,7 +109,7 @@ def plan_key(
         need_argmax, torch.get_float32_matmul_precision() if Q.dtype == torch.float32 else None, ragged_plan_key(rg),
         settings.PRENORM_MIN_ROW_BLOCKS, settings.PRENORM_MIN_QUERY_BLOCKS, settings.PRENORM_UNSHARED,
         settings.PRENORM_UNSHARED_SCORES,
-        settings.STREAM_ONCE_READ, settings.STREAM_L2_RANGE, settings.STREAM_MASK_BITS,
+        settings.STREAM_ONCE_READ, settings.STREAM_L2_RANGE, settings.STREAM_MASK_BITS, settings.PIPE_MASK_BITS,
         settings.STREAM_UNSHARED_MAX_ROWS, settings.STREAM_SHARED_MAX_ROWS, settings.ONCE_READ_TABLE_L2,
         settings.ONCE_READ_TABLE, settings.ONCE_READ_TABLE_MASKED_SUMS, settings.ONCE_READ_WIDE_TABLE_L2,
         settings.DEEP_PIPELINE,
@@ -264,7 +264,8 @@ def forward_keeping_norms(
             # (a split query's scores-only loop ran 5 % slower with the early load: ColPali 357 -> 376 us)
             EARLY_NORMS=norms_given and (need_argmax or n_rsplit == 1),
             STREAM_D=stream, DOC_SPLIT=n_dsplit > 1, PACKED=per_block > 0, DOC_ROWS=doc_rows,
-            MASK_BITS=stream and d_mask is not None and cfg.BLOCK_N <= 64 and bool(settings.STREAM_MASK_BITS),
+            MASK_BITS=d_mask is not None and cfg.BLOCK_N <= 64
+            and bool(settings.STREAM_MASK_BITS if stream else settings.PIPE_MASK_BITS),
         ),
         cfg.num_warps,
         cfg.num_stages,

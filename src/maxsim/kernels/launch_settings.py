@@ -199,10 +199,15 @@ STREAM_L2_RANGE = (0.5, 7.0)
 # as a flag a column: 64-row blocks in 32-token tiles took 83 registers instead of 112 (6 programs a multiprocessor
 # instead of 4). H200, in-process (tools/knobs.py infer --masked, h200-knobs-mask-bits.txt's calls A and C), us,
 # flags -> bits: 1x5000 Lq64 Ld180 97.7 -> 78.9 (unmasked 67.1), candidates 64x20 Lq64 44.9 -> 39.4, 32x100 Lq48
-# 82.8 -> 69.7; 32-row blocks 0.98-1.01x, normalized 0.94-1.00x (1x1000 Ld1024 101.2 -> 94.8). Not for the pipelined
-# loops, which read a tile's mask in the tile's own iteration (bits there: 128x128 Lq32 Ld300 1.13x slower, 7x1000
-# dim 96 1.22x, ColPali 1x500 1.10x, normalized 64-row blocks 1.23-1.52x; training steps 0.91-1.24x).
+# 82.8 -> 69.7; 32-row blocks 0.98-1.01x, normalized 0.94-1.00x (1x1000 Ld1024 101.2 -> 94.8).
 STREAM_MASK_BITS = 1
+# The pipelined loops carry their masks as bits too, each tile's read during the tile before (PIPE_MASK_BITS; read in
+# the tile's own iteration, bits had cost 1.10-1.52x, v133). H200, in-process (tools/knobs.py --masked, all-true
+# masks; h200-knobs-pipe-bits.txt's call A-C), us, flags -> bits: 128x128 Lq32 Ld300 150.0 -> 119.6, ColPali 1x500
+# 350.8 -> 277.7, 7x1000 Lq23 dim 96 87.1 -> 74.4; normalized: 128x128 175.9 -> 153.7, 1x5000 Lq64 Ld180 132.0 ->
+# 121.8, candidates 64x20 Lq64 60.3 -> 54.1, 32x100 Lq48 104.8 -> 94.7; training steps 256x256 Ld300 1137 -> 1019,
+# ColPali-sized 32x32 Lq1024 906 -> 865.
+PIPE_MASK_BITS = 1
 # Per card (a substring of its name, first match): the L2 sizes beyond which a dense unmasked once-read scan of
 # 16-bit tokens of 65-128 dims (one chunk of 128) runs the table's pipelined loop with
 # configs.once_read_config's tiles instead of the stream, whatever STREAM_L2_RANGE says. On an H200 the stream's one
