@@ -96,10 +96,12 @@ EXACT_CASES = {
 }
 
 
-#: loop: (the settings that choose it, the setting that turns its bits on and off, whether it streams)
+#: loop: (the settings that choose it, the setting that turns its bits on and off and its value for on, whether it
+#: streams)
 LOOPS = {
-    "stream": ({}, "STREAM_MASK_BITS", True),
-    "pipelined": ({"STREAM_ONCE_READ": 0}, "PIPE_MASK_BITS", False),
+    "stream": ({}, "STREAM_MASK_BITS", 1, True),
+    "pipelined, bits ahead": ({"STREAM_ONCE_READ": 0}, "PIPE_MASK_BITS", 1, False),
+    "pipelined, flags ahead": ({"STREAM_ONCE_READ": 0}, "PIPE_MASK_BITS", 2, False),
 }
 
 
@@ -123,7 +125,7 @@ def test_mask_bits_match_the_flags(case, normalize, loop, device, monkeypatch, a
     """The scan with its masks as bits gives the flags' scores bit for bit on :func:`_poisoned`'s inputs, and the
     float64 reference's."""
     q_shape, d_shape, how = EXACT_CASES[case]
-    chooser, setting, streams = LOOPS[loop]
+    chooser, setting, on, streams = LOOPS[loop]
     if streams and normalize and q_shape[1] > 32 and q_shape[2] == 128:
         pytest.skip("masked, normalized 64-row blocks at 128 dims leave the stream (tests/test_doc_rows.py)")
     for name, value in chooser.items():
@@ -138,7 +140,7 @@ def test_mask_bits_match_the_flags(case, normalize, loop, device, monkeypatch, a
         cfg = dataclasses.replace(cfg, BLOCK_N=min(cfg.BLOCK_N, 64))
     kernels_on(device)
     runs = {}
-    for bits in (1, 0):
+    for bits in (on, 0):
         monkeypatch.setattr(launch_settings, setting, bits)
         launch_forward.plans.clear()
 
@@ -146,16 +148,17 @@ def test_mask_bits_match_the_flags(case, normalize, loop, device, monkeypatch, a
             return launch.forward(Q, D, None, d_mask, normalize, False, cfg=cfg)
 
         seen = forward_launches(monkeypatch, call, lambda c, w, s: (c["STREAM_D"], c["MASK_BITS"], c["PERSIST"]))
-        assert seen == [(streams, bool(bits), seen[0][2])] and seen[0][2] >= (how == "persistent")
+        assert seen == [(streams, bits, seen[0][2])] and seen[0][2] >= (how == "persistent")
         runs[bits] = call()[0]
-    torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(runs[on], runs[0], rtol=0, atol=0, equal_nan=True)
     ref = reference.maxsim(Q.double(), D.double(), d_mask=d_mask, normalize=normalize)
-    torch.testing.assert_close(runs[1].double(), ref, rtol=1e-5, atol=1e-5, equal_nan=True)
-    assert runs[1][0, 0] == 0 and torch.isnan(runs[1][-1, -1])
+    torch.testing.assert_close(runs[on].double(), ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert runs[on][0, 0] == 0 and torch.isnan(runs[on][-1, -1])
 
 
+@pytest.mark.parametrize("on", [1, 2], ids=["bits ahead", "flags ahead"])
 @pytest.mark.parametrize("persistent", [False, True], ids=["one program a document", "persistent walk"])
-def test_mask_bits_argmax_of_a_training_forward(persistent, device, monkeypatch, any_size):
+def test_mask_bits_argmax_of_a_training_forward(persistent, on, device, monkeypatch, any_size):
     """The training forward's pipelined loop (with the argmax) with its masks as bits: the flags' scores and argmax
     bit for bit (ties: the first token), -1 for the rows of the fully masked document."""
     Q, D, d_mask = _poisoned((2, 20, 64), (2, 5, 100, 64), device)
@@ -164,7 +167,7 @@ def test_mask_bits_argmax_of_a_training_forward(persistent, device, monkeypatch,
         monkeypatch.setattr(device_info, "sm_count", lambda device: 1)
     kernels_on(device)
     runs = {}
-    for bits in (1, 0):
+    for bits in (on, 0):
         monkeypatch.setattr(launch_settings, "PIPE_MASK_BITS", bits)
         launch_forward.plans.clear()
 
@@ -172,22 +175,22 @@ def test_mask_bits_argmax_of_a_training_forward(persistent, device, monkeypatch,
             return launch.forward(Q, D, None, d_mask, False, True, cfg=cfg)
 
         seen = forward_launches(monkeypatch, call, lambda c, w, s: (c["SAVE_ARGMAX"], c["MASK_BITS"], c["PERSIST"]))
-        assert seen == [(True, bool(bits), persistent)]
+        assert seen == [(True, bits, persistent)]
         runs[bits] = call()
     launch_forward.plans.clear()
-    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=0, atol=0, equal_nan=True)
-    assert torch.equal(runs[1][1], runs[0][1])
-    assert (runs[1][1][0, 0] == -1).all() and (runs[1][1][0, 1] == D.shape[2] - 1).all()
+    torch.testing.assert_close(runs[on][0], runs[0][0], rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(runs[on][1], runs[0][1])
+    assert (runs[on][1][0, 0] == -1).all() and (runs[on][1][0, 1] == D.shape[2] - 1).all()
     ref = reference.maxsim(Q.double(), D.double(), d_mask=d_mask)
-    torch.testing.assert_close(runs[1][0].double(), ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+    torch.testing.assert_close(runs[on][0].double(), ref, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
 @pytest.mark.parametrize("loop", list(LOOPS))
 def test_mask_bits_chunked_documents(loop, device, monkeypatch, any_size):
     """Documents scanned in chunks of tiles by programs of their own (DOC_SPLIT): each chunk's bits start at its own
     first token."""
-    chooser, _setting, streams = LOOPS[loop]
-    for name, value in chooser.items():
+    chooser, setting, on, streams = LOOPS[loop]
+    for name, value in {**chooser, setting: on}.items():
         monkeypatch.setattr(launch_settings, name, value)
     monkeypatch.setattr(device_info, "sm_count", lambda device: 4096)
     monkeypatch.setattr(launch_settings, "DEEP_PIPELINE", 0)
@@ -201,7 +204,7 @@ def test_mask_bits_chunked_documents(loop, device, monkeypatch, any_size):
         lambda: launch.forward(Q, D, None, d_mask, False, False),
         lambda c, w, s: (c["STREAM_D"], c["MASK_BITS"], c["DOC_SPLIT"]),
     )
-    assert seen == [(streams, True, True)]
+    assert seen == [(streams, on, True)]
     launch_forward.plans.clear()
     out = launch.forward(Q, D, None, d_mask, False, False)[0]
     torch.testing.assert_close(out.double(), reference.maxsim(Q.double(), D.double(), d_mask=d_mask), rtol=0, atol=0)

@@ -85,6 +85,31 @@ def _tile_bits(dm_doc, n0, d_len, sdm_l, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _raw_flags(dm_doc, n0, d_len, sdm_l, BLOCK_N: tl.constexpr):
+    """The loaded flags :func:`_tile_bits` reduces, in 32-column halves ``(lo, hi)`` (``hi`` a stand-in for tiles of
+    up to 32 tokens)."""
+    W: tl.constexpr = 32 if BLOCK_N > 32 else BLOCK_N
+    lo = _tile_ok(dm_doc, n0, d_len, sdm_l, W, True).to(tl.int32)
+    if BLOCK_N > 32:
+        hi = _tile_ok(dm_doc, n0 + 32, d_len, sdm_l, 32, True).to(tl.int32)
+    else:
+        hi = tl.zeros([W], dtype=tl.int32)
+    return lo, hi
+
+
+@triton.jit
+def _raw_bits(lo, hi, BLOCK_N: tl.constexpr):
+    """:func:`_tile_bits`'s integer from :func:`_raw_flags`' halves."""
+    W: tl.constexpr = 32 if BLOCK_N > 32 else BLOCK_N
+    b_lo = tl.sum(lo << tl.arange(0, W), axis=0)
+    if BLOCK_N > 32:
+        b_hi = tl.sum(hi << tl.arange(0, W), axis=0)
+        return (b_lo.to(tl.int64) & 0xFFFFFFFF) | (b_hi.to(tl.int64) << 32)
+    else:
+        return b_lo
+
+
+@triton.jit
 def _bits_ok(bits, BLOCK_N: tl.constexpr):
     """``[BLOCK_N]`` column flags of :func:`_tile_bits`'s integer, in whatever layout their use asks for."""
     return ((bits >> tl.arange(0, BLOCK_N).to(bits.dtype)) & 1) != 0
@@ -359,14 +384,18 @@ def _row_block(
     ok = _ahead_ok(dm_doc, 0, d_len, sdm_l, BLOCK_N, MASK_AHEAD, MASK_BITS)
     dt = _first_tile(d_base, d_len, sd_l, dim, d_len > 0, BLOCK_N, BLOCK_K, STREAM_D)
     ok_next = _ahead_ok(dm_doc, BLOCK_N, d_len, sdm_l, BLOCK_N, MASK_AHEAD, MASK_BITS)
+    raw_lo, raw_hi = _raw_flags(dm_doc, 0, d_len, sdm_l, BLOCK_N)
     for n0 in range(0, d_len, BLOCK_N):
         dt_pre, ok_pre = dt, ok
         if STREAM_D:  # the next tile's loads in flight during this one's MMA
             dt = _stream_tile(d_base, n0 + BLOCK_N, d_len, sd_l, dim, n0 + BLOCK_N < d_len, BLOCK_N, BLOCK_K)
             ok = ok_next
             ok_next = _ahead_ok(dm_doc, n0 + 2 * BLOCK_N, d_len, sdm_l, BLOCK_N, MASK_AHEAD, MASK_BITS)
-        elif MASK_BITS:  # (two tiles ahead, its load stopped Triton's pipeliner from staging the copies at all)
+        elif MASK_BITS == 1:  # (two tiles ahead, its load stopped Triton's pipeliner from staging the copies at all)
             ok = _tile_bits(dm_doc, n0 + BLOCK_N, d_len, sdm_l, BLOCK_N)
+        elif MASK_BITS == 2:
+            ok_pre = _raw_bits(raw_lo, raw_hi, BLOCK_N)
+            raw_lo, raw_hi = _raw_flags(dm_doc, n0 + BLOCK_N, d_len, sdm_l, BLOCK_N)
         m2, a2, any_valid = _scan_tile(
             q_op, q_rows, row_ok, d_base, dm_doc, inv_doc, n0, d_len, dim, sd_l, sdm_l, sid_l, m2, a2,
             any_valid, dt_pre, ok_pre, BLOCK_N, BLOCK_K, NUM_K, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX,
@@ -503,6 +532,7 @@ def maxsim_fwd_kernel(
         dm_next = dm_row + (1 // n_tiles) * sdm_k
         n_next = (1 % n_tiles) * BLOCK_N
         ok_next = _ahead_ok(dm_next, n_next, tl.where(n_it > 1, Ld, 0), sdm_l, BLOCK_N, MASK_AHEAD, MASK_BITS)
+        raw_lo, raw_hi = _raw_flags(dm_row, 0, tl.where(n_it > 0, Ld, 0), sdm_l, BLOCK_N)
         for it in range(0, n_it):
             k = k_lo + it // n_tiles
             n0 = (it % n_tiles) * BLOCK_N
@@ -520,7 +550,11 @@ def maxsim_fwd_kernel(
             elif MASK_BITS:  # (the pipelined loop: the next tile's mask bits, as _row_block's)
                 dm_next = dm_row + ((it + 1) // n_tiles) * sdm_k
                 n_next = ((it + 1) % n_tiles) * BLOCK_N
-                ok = _tile_bits(dm_next, n_next, tl.where(it + 1 < n_it, Ld, 0), sdm_l, BLOCK_N)
+                if MASK_BITS == 1:
+                    ok = _tile_bits(dm_next, n_next, tl.where(it + 1 < n_it, Ld, 0), sdm_l, BLOCK_N)
+                else:
+                    ok_pre = _raw_bits(raw_lo, raw_hi, BLOCK_N)
+                    raw_lo, raw_hi = _raw_flags(dm_next, n_next, tl.where(it + 1 < n_it, Ld, 0), sdm_l, BLOCK_N)
             m2, a2, any_valid = _scan_tile(
                 q_op, q_rows, row_ok, D + b * sd_b + k * sd_k, DM + b * sdm_b + k * sdm_k,
                 INV_D + b * sid_b + k * sid_k, n0, Ld, dim, sd_l, sdm_l, sid_l, m2, a2, any_valid, dt_pre, ok_pre,

@@ -264,8 +264,8 @@ def forward_keeping_norms(
             # (a split query's scores-only loop ran 5 % slower with the early load: ColPali 357 -> 376 us)
             EARLY_NORMS=norms_given and (need_argmax or n_rsplit == 1),
             STREAM_D=stream, DOC_SPLIT=n_dsplit > 1, PACKED=per_block > 0, DOC_ROWS=doc_rows,
-            MASK_BITS=d_mask is not None and cfg.BLOCK_N <= 64
-            and bool(settings.STREAM_MASK_BITS if stream else settings.PIPE_MASK_BITS),
+            MASK_BITS=(int(bool(settings.STREAM_MASK_BITS)) if stream else int(settings.PIPE_MASK_BITS))
+            if d_mask is not None and cfg.BLOCK_N <= 64 else 0,
         ),
         cfg.num_warps,
         cfg.num_stages,
