@@ -36,10 +36,10 @@ RULE_CASES = {
     "candidates": ((2, 20, 96), (2, 3, 50, 96), True, {}, (True, True)),
     "no mask": ((1, 32, 128), (6, 50, 128), False, {}, (True, False)),
     "setting off": ((1, 32, 128), (6, 50, 128), True, {"STREAM_MASK_BITS": 0}, (True, False)),
-    "pipelined loop": ((1, 32, 128), (6, 50, 128), True, {"STREAM_ONCE_READ": 0}, (False, True)),
-    "pipelined, shared by row blocks": ((8, 32, 128), (6, 50, 128), True, {}, (False, True)),
-    "pipelined, setting off": ((1, 32, 128), (6, 50, 128), True, {"STREAM_ONCE_READ": 0, "PIPE_MASK_BITS": 0},
-                               (False, False)),
+    "pipelined, 64-row block": ((1, 64, 128), (6, 50, 128), True, {"STREAM_ONCE_READ": 0}, (False, 1)),
+    "pipelined, shared by row blocks": ((8, 32, 128), (6, 50, 128), True, {}, (False, 1)),
+    "pipelined, thin block": ((1, 32, 128), (6, 50, 128), True, {"STREAM_ONCE_READ": 0}, (False, 0)),
+    "pipelined, setting off": ((8, 32, 128), (6, 50, 128), True, {"PIPE_MASK_BITS": 0}, (False, 0)),
 }  # fmt: skip
 
 
@@ -56,6 +56,22 @@ def test_mask_bits_chosen_where_the_rule_says(case, device, monkeypatch, any_siz
     seen = _flags(monkeypatch, lambda: maxsim(Q, D, d_mask=d_mask))
     assert [s[:2] for s in seen] == [expected]
     assert seen[0][2] <= 64 or not seen[0][1]
+
+
+@pytest.mark.parametrize("rows", [32, 64])
+def test_mask_bits_of_a_training_forward_chosen_where_the_rule_says(rows, device, monkeypatch, any_size):
+    """The argmax's pipelined loop carries the next tile's flags (PIPE_MASK_BITS_ARGMAX) in blocks of more than 32
+    rows, the flags of its own tile in thinner ones."""
+    Q = torch.randn(8, rows, 128, dtype=DTYPE, device=device)
+    D = torch.randn(6, 50, 128, dtype=DTYPE, device=device)
+    d_mask = torch.ones(D.shape[:-1], dtype=torch.bool, device=device)
+    kernels_on(device)
+    seen = forward_launches(
+        monkeypatch,
+        lambda: launch.forward(Q, D, None, d_mask, False, True),
+        lambda c, w, s: (c["SAVE_ARGMAX"], c["STREAM_D"], c["MASK_BITS"], c["BQ"] * c["TQ"] > 32),
+    )
+    assert seen == [(True, False, 2 if seen[0][3] else 0, rows > 32)]
 
 
 def test_mask_bits_not_for_128_token_tiles(device, monkeypatch, any_size):
@@ -100,8 +116,8 @@ EXACT_CASES = {
 #: streams)
 LOOPS = {
     "stream": ({}, "STREAM_MASK_BITS", 1, True),
-    "pipelined, bits ahead": ({"STREAM_ONCE_READ": 0}, "PIPE_MASK_BITS", 1, False),
-    "pipelined, flags ahead": ({"STREAM_ONCE_READ": 0}, "PIPE_MASK_BITS", 2, False),
+    "pipelined, bits ahead": ({"STREAM_ONCE_READ": 0, "PIPE_MASK_BITS_MIN_ROWS": 0}, "PIPE_MASK_BITS", 1, False),
+    "pipelined, flags ahead": ({"STREAM_ONCE_READ": 0, "PIPE_MASK_BITS_MIN_ROWS": 0}, "PIPE_MASK_BITS", 2, False),
 }
 
 
@@ -162,13 +178,14 @@ def test_mask_bits_argmax_of_a_training_forward(persistent, on, device, monkeypa
     """The training forward's pipelined loop (with the argmax) with its masks as bits: the flags' scores and argmax
     bit for bit (ties: the first token), -1 for the rows of the fully masked document."""
     Q, D, d_mask = _poisoned((2, 20, 64), (2, 5, 100, 64), device)
+    monkeypatch.setattr(launch_settings, "PIPE_MASK_BITS_MIN_ROWS", 0)  # (thin blocks too)
     cfg = dataclasses.replace(configs.forward_config(20, 64, 2, False), BLOCK_N=64, persist=2 if persistent else 0)
     if persistent:
         monkeypatch.setattr(device_info, "sm_count", lambda device: 1)
     kernels_on(device)
     runs = {}
     for bits in (on, 0):
-        monkeypatch.setattr(launch_settings, "PIPE_MASK_BITS", bits)
+        monkeypatch.setattr(launch_settings, "PIPE_MASK_BITS_ARGMAX", bits)
         launch_forward.plans.clear()
 
         def call():

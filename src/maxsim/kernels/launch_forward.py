@@ -110,6 +110,7 @@ def plan_key(
         settings.PRENORM_MIN_ROW_BLOCKS, settings.PRENORM_MIN_QUERY_BLOCKS, settings.PRENORM_UNSHARED,
         settings.PRENORM_UNSHARED_SCORES,
         settings.STREAM_ONCE_READ, settings.STREAM_L2_RANGE, settings.STREAM_MASK_BITS, settings.PIPE_MASK_BITS,
+        settings.PIPE_MASK_BITS_ARGMAX, settings.PIPE_MASK_BITS_MIN_ROWS,
         settings.STREAM_UNSHARED_MAX_ROWS, settings.STREAM_SHARED_MAX_ROWS, settings.ONCE_READ_TABLE_L2,
         settings.ONCE_READ_TABLE, settings.ONCE_READ_TABLE_MASKED_SUMS, settings.ONCE_READ_WIDE_TABLE_L2,
         settings.DEEP_PIPELINE,
@@ -264,8 +265,7 @@ def forward_keeping_norms(
             # (a split query's scores-only loop ran 5 % slower with the early load: ColPali 357 -> 376 us)
             EARLY_NORMS=norms_given and (need_argmax or n_rsplit == 1),
             STREAM_D=stream, DOC_SPLIT=n_dsplit > 1, PACKED=per_block > 0, DOC_ROWS=doc_rows,
-            MASK_BITS=(int(bool(settings.STREAM_MASK_BITS)) if stream else int(settings.PIPE_MASK_BITS))
-            if d_mask is not None and cfg.BLOCK_N <= 64 else 0,
+            MASK_BITS=mask_bits(cfg, d_mask is not None, stream, need_argmax),
         ),
         cfg.num_warps,
         cfg.num_stages,
@@ -383,6 +383,22 @@ def deep_pipelined(n_programs: int, cfg: ForwardConfig, Ld: int, D: Tensor) -> b
     ):
         return False
     return device_info.shared_bytes(D.device) >= settings.DEEP_PIPELINE_MIN_SHARED
+
+
+def mask_bits(cfg: ForwardConfig, masked: bool, stream: bool, need_argmax: bool) -> int:
+    """How a masked scan carries its tiles' masks (forward.py's ``MASK_BITS``): 0, as a flag a column read in the
+    tile's own iteration (or, in the stream, two tiles ahead); 1, as the bits of one integer, read ahead (the stream's
+    two tiles, the pipelined loop's one); 2 (pipelined loops), as the flags the next tile's bits are reduced from,
+    loaded a tile ahead. Bits need tiles of at most 64 tokens; a pipelined loop takes them for row blocks of
+    PIPE_MASK_BITS_MIN_ROWS rows or more, whose per-column flags cost more than a thin block's registers can spare
+    (settings.PIPE_MASK_BITS for scores, PIPE_MASK_BITS_ARGMAX with the argmax)."""
+    if not masked or cfg.BLOCK_N > 64:
+        return 0
+    if stream:
+        return int(bool(settings.STREAM_MASK_BITS))
+    if cfg.BQ * cfg.TQ < settings.PIPE_MASK_BITS_MIN_ROWS:
+        return 0
+    return int(settings.PIPE_MASK_BITS_ARGMAX if need_argmax else settings.PIPE_MASK_BITS)
 
 
 def once_read_scan(

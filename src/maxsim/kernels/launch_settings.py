@@ -208,6 +208,8 @@ STREAM_MASK_BITS = 1
 # 121.8, candidates 64x20 Lq64 60.3 -> 54.1, 32x100 Lq48 104.8 -> 94.7; training steps 256x256 Ld300 1137 -> 1019,
 # ColPali-sized 32x32 Lq1024 906 -> 865.
 PIPE_MASK_BITS = 1
+PIPE_MASK_BITS_ARGMAX = 2
+PIPE_MASK_BITS_MIN_ROWS = 33
 # Per card (a substring of its name, first match): the L2 sizes beyond which a dense unmasked once-read scan of
 # 16-bit tokens of 65-128 dims (one chunk of 128) runs the table's pipelined loop with
 # configs.once_read_config's tiles instead of the stream, whatever STREAM_L2_RANGE says. On an H200 the stream's one
