@@ -389,9 +389,9 @@ def mask_bits(cfg: ForwardConfig, masked: bool, stream: bool, need_argmax: bool)
     """How a masked scan carries its tiles' masks (forward.py's ``MASK_BITS``): 0, as a flag a column read in the
     tile's own iteration (or, in the stream, two tiles ahead); 1, as the bits of one integer, read ahead (the stream's
     two tiles, the pipelined loop's one); 2 (pipelined loops), as the flags the next tile's bits are reduced from,
-    loaded a tile ahead. Bits need tiles of at most 64 tokens; a pipelined loop takes them for row blocks of
-    PIPE_MASK_BITS_MIN_ROWS rows or more, whose per-column flags cost more than a thin block's registers can spare
-    (settings.PIPE_MASK_BITS for scores, PIPE_MASK_BITS_ARGMAX with the argmax)."""
+    loaded a tile ahead. Bits need tiles of at most 64 tokens; a pipelined loop takes them (settings.PIPE_MASK_BITS
+    for scores, PIPE_MASK_BITS_ARGMAX with the argmax) in row blocks of PIPE_MASK_BITS_MIN_ROWS rows or more,
+    where a thin block's registers would lose it a program a multiprocessor (see launch_settings)."""
     if not masked or cfg.BLOCK_N > 64:
         return 0
     if stream:

@@ -201,12 +201,17 @@ STREAM_L2_RANGE = (0.5, 7.0)
 # flags -> bits: 1x5000 Lq64 Ld180 97.7 -> 78.9 (unmasked 67.1), candidates 64x20 Lq64 44.9 -> 39.4, 32x100 Lq48
 # 82.8 -> 69.7; 32-row blocks 0.98-1.01x, normalized 0.94-1.00x (1x1000 Ld1024 101.2 -> 94.8).
 STREAM_MASK_BITS = 1
-# The pipelined loops carry their masks as bits too, each tile's read during the tile before (PIPE_MASK_BITS; read in
-# the tile's own iteration, bits had cost 1.10-1.52x, v133). H200, in-process (tools/knobs.py --masked, all-true
-# masks; h200-knobs-pipe-bits.txt's call A-C), us, flags -> bits: 128x128 Lq32 Ld300 150.0 -> 119.6, ColPali 1x500
-# 350.8 -> 277.7, 7x1000 Lq23 dim 96 87.1 -> 74.4; normalized: 128x128 175.9 -> 153.7, 1x5000 Lq64 Ld180 132.0 ->
-# 121.8, candidates 64x20 Lq64 60.3 -> 54.1, 32x100 Lq48 104.8 -> 94.7; training steps 256x256 Ld300 1137 -> 1019,
-# ColPali-sized 32x32 Lq1024 906 -> 865.
+# The pipelined loops (launch_forward.mask_bits) carry their masks a tile ahead: as bits for scores (PIPE_MASK_BITS =
+# 1: the flags of a 64-token tile had taken a byte load, its address and two compares a column in every thread, in
+# front of the select), as the next tile's loaded flags with the argmax (PIPE_MASK_BITS_ARGMAX = 2, reduced to bits
+# at the tile: 10 registers fewer than 1 in 256-row blocks, where 1 spilled), for blocks of PIPE_MASK_BITS_MIN_ROWS
+# rows or more (a 32-row block's bits took it from 96 to 102-106 registers, 5 to 4 programs a multiprocessor:
+# candidates 256x16 training steps 211 -> 250 us, minima). Read in the tile's own iteration, bits had cost
+# 1.10-1.52x (v133); read two tiles ahead, Triton's pipeliner staged no copies at all. H200, in-process (tools/knobs.py
+# --masked, all-true masks; h200-knobs-pipe-bits.txt's calls K-M), us, flags -> the rule: 128x128 Lq32 Ld300 151.0
+# -> 118.9, ColPali 1x500 350.5 -> 273.8, 7x1000 Lq23 dim 96 86.6 -> 74.1; normalized: 128x128 176.5 -> 152.0, 1x5000
+# Lq64 Ld180 131.6 -> 124.4, candidates 64x20 Lq64 60.6 -> 54.2, 32x100 Lq48 104.5 -> 96.0; training steps 256x256
+# Ld300 1138.6 -> 1029.2 (bits for the argmax too: 1108, calls F and I), ColPali-sized 32x32 Lq1024 906.5 -> 865.9.
 PIPE_MASK_BITS = 1
 PIPE_MASK_BITS_ARGMAX = 2
 PIPE_MASK_BITS_MIN_ROWS = 33
