@@ -251,3 +251,24 @@ def test_masked_normalized_table_matches_the_stream(device, monkeypatch):
     ref = reference.maxsim(Q.double(), D.double(), d_mask=d_mask, normalize=True)
     torch.testing.assert_close(runs["table"].double(), ref, rtol=1e-5, atol=1e-5)
     assert runs["table"][0, 0] == 0
+
+
+@pytest.mark.parametrize("lq", [20, 200], ids=["norms before the product", "norms after it"])
+def test_masked_tokens_norms_read_but_dropped(lq, device, monkeypatch, any_size):
+    """Normalized scans with the norms' pre-pass (NORMS_GIVEN) read every in-document token's inverse norm, masked
+    ones too (NaN and inf there: a norm of NaN or 0), and drop their columns: the reference's scores."""
+    monkeypatch.setattr(launch_settings, "PRENORM_MIN_ROW_BLOCKS", 1)
+    monkeypatch.setattr(launch_settings, "PRENORM_MIN_QUERY_BLOCKS", 1)
+    Q, D, d_mask = _poisoned((3, lq, 64), (1, 6, 90, 64), device)
+    D[0, 3][~d_mask[0, 3]] = float("nan")
+    kernels_on(device)
+
+    def call():
+        return launch.forward(Q, D, None, d_mask, True, False)
+
+    seen = forward_launches(monkeypatch, call, lambda c, w, s: (c["NORMS_GIVEN"], c["EARLY_NORMS"]))
+    assert seen == [(True, lq <= 32)]
+    out = call()[0]
+    ref = reference.maxsim(Q.double(), D.double(), d_mask=d_mask, normalize=True)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert (out[:, 0] == 0).all() and torch.isnan(out[:, -1]).all() and not torch.isnan(out[:, 1:-1]).any()

@@ -248,7 +248,7 @@ def _scan_tile(
     SUMSQ: tl.constexpr = NORMALIZE and not NORMS_GIVEN
     sumsq = tl.zeros([BLOCK_N if SUMSQ else 1], dtype=tl.float32)  # (without SUMSQ, a stand-in passed along)
     if NORMALIZE and NORMS_GIVEN and EARLY_NORMS:  # (BLOCK_N floats, loaded before the MMA: it hides their latency)
-        inv_cols = tl.load(inv_doc + cols * sid_l, mask=col_ok, other=0.0)
+        inv_cols = tl.load(inv_doc + cols * sid_l, mask=in_doc, other=0.0)
     if NUM_K > UNROLLED_DIM_CHUNKS:
         # Wide tokens: a loop the compiler pipelines chunk by chunk (one query chunk and one tile chunk a stage),
         # where the unrolled loop below keeps every chunk of both in flight (768 dims: 448 KB of shared memory).
@@ -267,7 +267,10 @@ def _scan_tile(
         if SUMSQ:  # (a layout round trip through shared memory a tile, but in DOC_ROWS: see above)
             inv_cols = 1.0 / tl.maximum(tl.sqrt(sumsq), NORM_EPS)
         elif not EARLY_NORMS:
-            inv_cols = tl.load(inv_doc + cols * sid_l, mask=col_ok, other=0.0)
+            # Masked tokens' norms are read too (the select below drops their columns): a load predicated on the
+            # mask was scheduled after the MMA's wait instead of during it (masked, normalized ColPali 1x500 664 ->
+            # see docs/performance.md v135).
+            inv_cols = tl.load(inv_doc + cols * sid_l, mask=in_doc, other=0.0)
         s = s * _per_token(inv_cols, DOC_ROWS)
     # The running max costs ALU instructions per element that the MMA does not hide; a full tile of a document
     # without a mask has nothing to mask, so only a document's last tile (or a masked document) pays the select.
