@@ -255,8 +255,9 @@ def test_masked_normalized_table_matches_the_stream(device, monkeypatch):
 
 @pytest.mark.parametrize("lq", [20, 200], ids=["norms before the product", "norms after it"])
 def test_masked_tokens_norms_read_but_dropped(lq, device, monkeypatch, any_size):
-    """Normalized scans with the norms' pre-pass (NORMS_GIVEN) read every in-document token's inverse norm, masked
-    ones too (NaN and inf there: a norm of NaN or 0), and drop their columns: the reference's scores."""
+    """Normalized scans with the norms' pre-pass (NORMS_GIVEN): the inverse norms read after the product include
+    masked tokens' (NaN and inf there: a norm of NaN or 0), whose columns the select drops; read before it, only
+    valid tokens'. The reference's scores either way."""
     monkeypatch.setattr(launch_settings, "PRENORM_MIN_ROW_BLOCKS", 1)
     monkeypatch.setattr(launch_settings, "PRENORM_MIN_QUERY_BLOCKS", 1)
     Q, D, d_mask = _poisoned((3, lq, 64), (1, 6, 90, 64), device)
