@@ -384,7 +384,8 @@ def _row_block(
     ok = _ahead_ok(dm_doc, 0, d_len, sdm_l, BLOCK_N, MASK_AHEAD, MASK_BITS)
     dt = _first_tile(d_base, d_len, sd_l, dim, d_len > 0, BLOCK_N, BLOCK_K, STREAM_D)
     ok_next = _ahead_ok(dm_doc, BLOCK_N, d_len, sdm_l, BLOCK_N, MASK_AHEAD, MASK_BITS)
-    raw_lo, raw_hi = _raw_flags(dm_doc, 0, d_len, sdm_l, BLOCK_N)
+    if MASK_BITS == 2:  # (the argmax's pipelined loop: the next tile's loaded flags, see _raw_flags)
+        raw_lo, raw_hi = _raw_flags(dm_doc, 0, d_len, sdm_l, BLOCK_N)
     for n0 in range(0, d_len, BLOCK_N):
         dt_pre, ok_pre = dt, ok
         if STREAM_D:  # the next tile's loads in flight during this one's MMA
@@ -532,7 +533,8 @@ def maxsim_fwd_kernel(
         dm_next = dm_row + (1 // n_tiles) * sdm_k
         n_next = (1 % n_tiles) * BLOCK_N
         ok_next = _ahead_ok(dm_next, n_next, tl.where(n_it > 1, Ld, 0), sdm_l, BLOCK_N, MASK_AHEAD, MASK_BITS)
-        raw_lo, raw_hi = _raw_flags(dm_row, 0, tl.where(n_it > 0, Ld, 0), sdm_l, BLOCK_N)
+        if MASK_BITS == 2:
+            raw_lo, raw_hi = _raw_flags(dm_row, 0, tl.where(n_it > 0, Ld, 0), sdm_l, BLOCK_N)
         for it in range(0, n_it):
             k = k_lo + it // n_tiles
             n0 = (it % n_tiles) * BLOCK_N
