@@ -74,15 +74,22 @@ def _tile_bits(dm_doc, n0, d_len, sdm_l, BLOCK_N: tl.constexpr):
     bits, one register, and the load's columns are gathered by one warp reduction. A pipelined loop reads its
     next tile's bits during this one (its flags, read in the tile's own iteration, each took a byte load, its
     address and two compares a column in every thread, and the loads' latency in front of the select)."""
-    lo, hi = _raw_flags(dm_doc, n0, d_len, sdm_l, BLOCK_N)
-    return _raw_bits(lo, hi, BLOCK_N)
+    tl.static_assert(BLOCK_N <= 64, "a tile's mask bits fit one int64")
+    if BLOCK_N > 32:  # (two 32-column halves: a warp's reduction each, where 64 columns went through shared memory)
+        lo = _tile_bits(dm_doc, n0, d_len, sdm_l, 32).to(tl.int64) & 0xFFFFFFFF
+        hi = _tile_bits(dm_doc, n0 + 32, d_len, sdm_l, 32).to(tl.int64)
+        return lo | (hi << 32)
+    else:
+        ok = _tile_ok(dm_doc, n0, d_len, sdm_l, BLOCK_N, True)
+        return tl.sum(ok.to(tl.int32) << tl.arange(0, BLOCK_N), axis=0)  # (distinct bits: the sum is their OR)
 
 
 @triton.jit
 def _raw_flags(dm_doc, n0, d_len, sdm_l, BLOCK_N: tl.constexpr):
     """The loaded flags of :func:`_tile_bits`, as int32 in 32-column halves ``(lo, hi)`` (``hi`` a stand-in for tiles
     of up to 32 tokens): the argmax's pipelined loop carries them to the next tile, which reduces them
-    (:func:`_raw_bits`), the loads' latency passing behind a tile's product."""
+    (:func:`_raw_bits`), the loads' latency passing behind a tile's product. (:func:`_tile_bits` keeps its own
+    order, each half's load then its reduction: the loops that carry bits were measured with it.)"""
     tl.static_assert(BLOCK_N <= 64, "a tile's mask bits fit one int64")
     W: tl.constexpr = 32 if BLOCK_N > 32 else BLOCK_N
     lo = _tile_ok(dm_doc, n0, d_len, sdm_l, W, True).to(tl.int32)
@@ -95,8 +102,7 @@ def _raw_flags(dm_doc, n0, d_len, sdm_l, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _raw_bits(lo, hi, BLOCK_N: tl.constexpr):
-    """:func:`_tile_bits`'s integer from :func:`_raw_flags`' halves: a warp's reduction each (64 columns at once
-    went through shared memory); the bits are distinct, so their sum is their OR."""
+    """:func:`_tile_bits`'s integer from :func:`_raw_flags`' halves."""
     W: tl.constexpr = 32 if BLOCK_N > 32 else BLOCK_N
     b_lo = tl.sum(lo << tl.arange(0, W), axis=0)
     if BLOCK_N > 32:
