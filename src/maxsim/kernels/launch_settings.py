@@ -204,7 +204,8 @@ STREAM_MASK_BITS = 1
 # The pipelined loops (launch_forward.mask_bits) carry their masks a tile ahead: as bits for scores (PIPE_MASK_BITS =
 # 1: the flags of a 64-token tile had taken a byte load, its address and two compares a column in every thread, in
 # front of the select), as the next tile's loaded flags with the argmax (PIPE_MASK_BITS_ARGMAX = 2, reduced to bits
-# at the tile: 10 registers fewer than 1 in 256-row blocks, where 1 spilled), for blocks of PIPE_MASK_BITS_MIN_ROWS
+# at the tile: the argmax's loops sit at 255 registers, where bits spilled more, 28 bytes against 12 in 256-row blocks
+# of 96 dims, 12 against none for 128-row blocks of 1024-token queries), for blocks of PIPE_MASK_BITS_MIN_ROWS
 # rows or more (a 32-row block's bits took it from 96 to 102-106 registers, 5 to 4 programs a multiprocessor:
 # candidates 256x16 training steps 211 -> 250 us, minima). Read in the tile's own iteration, bits had cost
 # 1.10-1.52x (v133); read two tiles ahead, Triton's pipeliner staged no copies at all. H200, in-process (tools/knobs.py
