@@ -154,14 +154,19 @@ def ptxas_usage(ptx: str) -> str:
     return f"{regs.group(1) if regs else '?'} registers, {spills.group(1) if spills else '?'} bytes spill stores"
 
 
-def loop_histogram(cubin: bytes) -> list[tuple[str, int]]:
-    """Instruction counts (opcode without modifiers) of the loops that hold an MMA (``HGMMA``), or of every loop
-    when none does: the code between a label and the backward branch to it."""
+def disassemble(cubin: bytes) -> str:
+    """The SASS of a cubin (``nvdisasm -c``, from Triton's wheel)."""
     disasm = Path(_ptxas()).with_name("nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        lines = subprocess.run([str(disasm), "-c", f.name], capture_output=True, text=True).stdout.splitlines()
+        return subprocess.run([str(disasm), "-c", f.name], capture_output=True, text=True).stdout
+
+
+def loop_histogram(cubin: bytes) -> list[tuple[str, int]]:
+    """Instruction counts (opcode without modifiers) of the loops that hold an MMA (``HGMMA``), or of every loop
+    when none does: the code between a label and the backward branch to it."""
+    lines = disassemble(cubin).splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line))}
     loops = []
     for i, line in enumerate(lines):
