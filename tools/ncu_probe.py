@@ -8,8 +8,10 @@ Each shape is called a few times first (compiles and plans outside the range), t
         --section MemoryWorkloadAnalysis python tools/ncu_probe.py 1x10000x32x300 1x1000x32x300 1x5000x64x180
 
 A shape is ``NQxNDxLQxLD`` (cross product, bf16, dim 128) or ``NQxKxLQxLD:cand`` (each query's own candidates);
-``--dim`` changes the token dimension. ``--train``: a training step per shape instead (the argmax forward and the
-backward, with a random upstream gradient), e.g. the backward kernel of the small steps (docs/performance.md v77-v80):
+``--dim`` changes the token dimension; ``--masked`` adds a document mask (a kept prefix of half to all the tokens,
+less 10 % holes), ``--normalize`` passes ``normalize=True``. ``--train``: a training step per shape instead (the
+argmax forward and the backward, with a random upstream gradient), e.g. the backward kernel of the small steps
+(docs/performance.md v77-v80):
 
     ncu --profile-from-start off --kernel-name maxsim_bwd_kernel --section WarpStateStats \
         --section SchedulerStats --section SourceCounters python tools/ncu_probe.py --train 32x32x32x80
@@ -41,6 +43,8 @@ def main() -> None:
     ap.add_argument("shapes", nargs="+", help="NQxNDxLQxLD[:cand]")
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--train", action="store_true", help="a training step per shape (forward and backward)")
+    ap.add_argument("--masked", action="store_true", help="with a document mask (a kept prefix less 10%% holes)")
+    ap.add_argument("--normalize", action="store_true", help="normalize=True")
     args = ap.parse_args()
     calls = []
     for text in args.shapes:
@@ -49,23 +53,30 @@ def main() -> None:
         D = torch.randn(*((nq,) if cand else ()), nd, ld, args.dim, device="cuda", dtype=torch.bfloat16,
                         requires_grad=args.train)  # fmt: skip
         g = torch.randn(nq, nd, device="cuda")
-        calls.append((text, Q, D, g))
+        mask = None
+        if args.masked:
+            lengths = torch.randint(ld // 2, ld + 1, D.shape[:-2], device="cuda")
+            mask = torch.arange(ld, device="cuda") < lengths[..., None]
+            mask &= torch.rand(mask.shape, device="cuda") >= 0.1
+            mask[..., 0] = True
+        calls.append((text, Q, D, g, mask))
 
-    def call(Q, D, g) -> None:
+    def call(Q, D, g, mask) -> None:
+        kw = dict(d_mask=mask, normalize=args.normalize)
         if args.train:
-            torch.autograd.grad(maxsim.maxsim(Q, D), (Q, D), g)
+            torch.autograd.grad(maxsim.maxsim(Q, D, **kw), (Q, D), g)
         else:
             with torch.no_grad():
-                maxsim.maxsim(Q, D)
+                maxsim.maxsim(Q, D, **kw)
 
-    for _text, Q, D, g in calls:
+    for _text, *inputs in calls:
         for _ in range(3):
-            call(Q, D, g)
+            call(*inputs)
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
-    for text, Q, D, g in calls:
+    for text, *inputs in calls:
         torch.cuda.nvtx.range_push(text)
-        call(Q, D, g)
+        call(*inputs)
         torch.cuda.nvtx.range_pop()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()

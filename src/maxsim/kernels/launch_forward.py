@@ -110,7 +110,7 @@ def plan_key(
         settings.PRENORM_MIN_ROW_BLOCKS, settings.PRENORM_MIN_QUERY_BLOCKS, settings.PRENORM_UNSHARED,
         settings.PRENORM_UNSHARED_SCORES,
         settings.STREAM_ONCE_READ, settings.STREAM_L2_RANGE, settings.STREAM_MASK_BITS, settings.PIPE_MASK_BITS,
-        settings.PIPE_MASK_BITS_ARGMAX, settings.PIPE_MASK_BITS_MIN_ROWS,
+        settings.PIPE_MASK_BITS_ARGMAX, settings.PIPE_MASK_BITS_MIN_ROWS, settings.PIPE_MASK_BITS_THIN_MAXNREG,
         settings.STREAM_UNSHARED_MAX_ROWS, settings.STREAM_SHARED_MAX_ROWS, settings.ONCE_READ_TABLE_L2,
         settings.ONCE_READ_TABLE, settings.ONCE_READ_TABLE_MASKED_SUMS, settings.ONCE_READ_WIDE_TABLE_L2,
         settings.DEEP_PIPELINE,
@@ -241,6 +241,10 @@ def forward_keeping_norms(
             n_pairs, 2 * n_dsplit * n_pairs * Lq, (n_pairs, Lq, n_dsplit),
             dict(LQ_BLOCK=min(128, next_power_of_2(Lq)), SAVE_ARGMAX=need_argmax),
         )  # fmt: skip
+    bits = mask_bits(cfg, d_mask is not None, stream, need_argmax)
+    maxnreg = cfg.maxnreg
+    if bits and not stream and cfg.BQ * cfg.TQ <= 32 and settings.PIPE_MASK_BITS_THIN_MAXNREG:
+        maxnreg = settings.PIPE_MASK_BITS_THIN_MAXNREG
     inv_q_strides = query_strides(torch.empty(Q.shape[:-1] + (1,), device="meta")) if norms_given else (0, 0)
     inv_d_strides = (
         document_strides(torch.empty(D.shape[:-1] + (1,), device="meta"), shared) if norms_given else (0, 0, 0)
@@ -265,11 +269,11 @@ def forward_keeping_norms(
             # (a split query's scores-only loop ran 5 % slower with the early load: ColPali 357 -> 376 us)
             EARLY_NORMS=norms_given and (need_argmax or n_rsplit == 1),
             STREAM_D=stream, DOC_SPLIT=n_dsplit > 1, PACKED=per_block > 0, DOC_ROWS=doc_rows,
-            MASK_BITS=mask_bits(cfg, d_mask is not None, stream, need_argmax),
+            MASK_BITS=bits,
         ),
         cfg.num_warps,
         cfg.num_stages,
-        cfg.maxnreg,
+        maxnreg,
         {},
         combine,
         {},

@@ -216,6 +216,10 @@ STREAM_MASK_BITS = 1
 PIPE_MASK_BITS = 1
 PIPE_MASK_BITS_ARGMAX = 2
 PIPE_MASK_BITS_MIN_ROWS = 33
+# A register cap for thin (<= 32-row) pipelined blocks that carry their masks read ahead (0: none; only matters with
+# PIPE_MASK_BITS_MIN_ROWS <= 32): compiled for sm_90, the argmax's flags-ahead loop of candidates 256x16 fits 96
+# registers without spills (106 uncapped), which keeps its 5 programs a multiprocessor.
+PIPE_MASK_BITS_THIN_MAXNREG = 0
 # Per card (a substring of its name, first match): the L2 sizes beyond which a dense unmasked once-read scan of
 # 16-bit tokens of 65-128 dims (one chunk of 128) runs the table's pipelined loop with
 # configs.once_read_config's tiles instead of the stream, whatever STREAM_L2_RANGE says. On an H200 the stream's one
