@@ -111,6 +111,7 @@ def plan_key(
         settings.PRENORM_UNSHARED_SCORES,
         settings.STREAM_ONCE_READ, settings.STREAM_L2_RANGE, settings.STREAM_MASK_BITS, settings.PIPE_MASK_BITS,
         settings.PIPE_MASK_BITS_ARGMAX, settings.PIPE_MASK_BITS_MIN_ROWS, settings.PIPE_MASK_BITS_THIN_MAXNREG,
+        settings.DOC_ROWS_SUMS_MAXNREG,
         settings.STREAM_UNSHARED_MAX_ROWS, settings.STREAM_SHARED_MAX_ROWS, settings.ONCE_READ_TABLE_L2,
         settings.ONCE_READ_TABLE, settings.ONCE_READ_TABLE_MASKED_SUMS, settings.ONCE_READ_WIDE_TABLE_L2,
         settings.DEEP_PIPELINE,
@@ -245,6 +246,8 @@ def forward_keeping_norms(
     maxnreg = cfg.maxnreg
     if bits and not stream and cfg.BQ * cfg.TQ <= 32 and settings.PIPE_MASK_BITS_THIN_MAXNREG:
         maxnreg = settings.PIPE_MASK_BITS_THIN_MAXNREG
+    if doc_rows and sums_squares and docs_per_prog == 1 and not stream and settings.DOC_ROWS_SUMS_MAXNREG:
+        maxnreg = settings.DOC_ROWS_SUMS_MAXNREG
     inv_q_strides = query_strides(torch.empty(Q.shape[:-1] + (1,), device="meta")) if norms_given else (0, 0)
     inv_d_strides = (
         document_strides(torch.empty(D.shape[:-1] + (1,), device="meta"), shared) if norms_given else (0, 0, 0)

@@ -220,6 +220,10 @@ PIPE_MASK_BITS_MIN_ROWS = 33
 # PIPE_MASK_BITS_MIN_ROWS <= 32): compiled for sm_90, the argmax's flags-ahead loop of candidates 256x16 fits 96
 # registers without spills (106 uncapped), which keeps its 5 programs a multiprocessor.
 PIPE_MASK_BITS_THIN_MAXNREG = 0
+# A register cap for pipelined DOC_ROWS programs that sum their tiles' squares, one document each (0: none). Compiled
+# for sm_90, masked normalized 64-row blocks took 238 registers (2 programs a multiprocessor; 164 persistent), 165
+# without spills under a cap of 168 (to be measured).
+DOC_ROWS_SUMS_MAXNREG = 0
 # Per card (a substring of its name, first match): the L2 sizes beyond which a dense unmasked once-read scan of
 # 16-bit tokens of 65-128 dims (one chunk of 128) runs the table's pipelined loop with
 # configs.once_read_config's tiles instead of the stream, whatever STREAM_L2_RANGE says. On an H200 the stream's one
