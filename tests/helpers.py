@@ -104,19 +104,20 @@ def spy(monkeypatch, owner, name: str, record=lambda args, out: args, into: list
     return calls
 
 
-def forward_launches(monkeypatch, call, pick) -> list:
-    """``pick(constexprs, num_warps, num_stages)`` of every forward-kernel launch that ``call`` makes under
-    ``no_grad``, the launches recorded, not run (the interpreter's check off, so a CPU machine plans as a GPU
-    would; plans cleared before and after)."""
+def forward_launches(monkeypatch, call, pick, maxnreg: bool = False) -> list:
+    """``pick(constexprs, num_warps, num_stages)`` (``maxnreg``: and the launch's register cap) of every
+    forward-kernel launch that ``call`` makes under ``no_grad``, the launches recorded, not run (the interpreter's
+    check off, so a CPU machine plans as a GPU would; plans cleared before and after)."""
     from maxsim.kernels import launch_args, launch_forward, launcher
 
     seen: list = []
+    want_cap = maxnreg
 
     def record(
         self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0, foreign=None
     ):
         if self.kernel.__name__ == "maxsim_fwd_kernel":
-            seen.append(pick(constexprs, num_warps, num_stages))
+            seen.append(pick(constexprs, num_warps, num_stages, *((maxnreg,) if want_cap else ())))
 
     with monkeypatch.context() as m:
         m.setattr(launcher.Launcher, "__call__", record)

@@ -38,7 +38,10 @@ RULE_CASES = {
     "setting off": ((1, 32, 128), (6, 50, 128), True, {"STREAM_MASK_BITS": 0}, (True, False)),
     "pipelined, 64-row block": ((1, 64, 128), (6, 50, 128), True, {"STREAM_ONCE_READ": 0}, (False, 1)),
     "pipelined, shared by row blocks": ((8, 32, 128), (6, 50, 128), True, {}, (False, 1)),
-    "pipelined, thin block": ((1, 32, 128), (6, 50, 128), True, {"STREAM_ONCE_READ": 0}, (False, 0)),
+    "pipelined, thin block": ((1, 32, 128), (6, 50, 128), True, {"STREAM_ONCE_READ": 0}, (False, 1)),
+    "pipelined, thin block, setting": (
+        (1, 32, 128), (6, 50, 128), True, {"STREAM_ONCE_READ": 0, "PIPE_MASK_BITS_MIN_ROWS": 33}, (False, 0),
+    ),
     "pipelined, setting off": ((8, 32, 128), (6, 50, 128), True, {"PIPE_MASK_BITS": 0}, (False, 0)),
 }  # fmt: skip
 
@@ -58,10 +61,12 @@ def test_mask_bits_chosen_where_the_rule_says(case, device, monkeypatch, any_siz
     assert seen[0][2] <= 64 or not seen[0][1]
 
 
+@pytest.mark.parametrize("min_rows", [0, 33])
 @pytest.mark.parametrize("rows", [32, 64])
-def test_mask_bits_of_a_training_forward_chosen_where_the_rule_says(rows, device, monkeypatch, any_size):
-    """The argmax's pipelined loop carries the next tile's flags (PIPE_MASK_BITS_ARGMAX) in blocks of more than 32
-    rows, the flags of its own tile in thinner ones."""
+def test_mask_bits_of_a_training_forward_chosen_where_the_rule_says(rows, min_rows, device, monkeypatch, any_size):
+    """The argmax's pipelined loop carries the next tile's flags (PIPE_MASK_BITS_ARGMAX) in blocks of
+    PIPE_MASK_BITS_MIN_ROWS rows or more, the flags of its own tile in thinner ones."""
+    monkeypatch.setattr(launch_settings, "PIPE_MASK_BITS_MIN_ROWS", min_rows)
     Q = torch.randn(8, rows, 128, dtype=DTYPE, device=device)
     D = torch.randn(6, 50, 128, dtype=DTYPE, device=device)
     d_mask = torch.ones(D.shape[:-1], dtype=torch.bool, device=device)
@@ -69,9 +74,42 @@ def test_mask_bits_of_a_training_forward_chosen_where_the_rule_says(rows, device
     seen = forward_launches(
         monkeypatch,
         lambda: launch.forward(Q, D, None, d_mask, False, True),
-        lambda c, w, s: (c["SAVE_ARGMAX"], c["STREAM_D"], c["MASK_BITS"], c["BQ"] * c["TQ"] > 32),
+        lambda c, w, s: (c["SAVE_ARGMAX"], c["STREAM_D"], c["MASK_BITS"], c["BQ"] * c["TQ"]),
     )
-    assert seen == [(True, False, 2 if seen[0][3] else 0, rows > 32)]
+    assert seen == [(True, False, 2 if seen[0][3] >= min_rows else 0, seen[0][3])]
+    assert (seen[0][3] > 32) == (rows > 32)
+
+
+CAP_CASES = {
+    # name: (Q shape, D shape, masked, normalize, argmax, expected (PERSIST, DOC_ROWS, maxnreg))
+    "thin persistent walk, argmax": ((8, 32, 128), (8, 6, 50, 128), True, False, True, (True, False, 96)),
+    "thin persistent walk, no mask": ((8, 32, 128), (8, 6, 50, 128), False, False, True, (True, False, 0)),
+    "thin, a document a program": ((8, 32, 128), (8, 1, 50, 128), True, False, True, (False, False, 0)),
+    "64-row persistent walk": ((8, 64, 128), (8, 6, 50, 128), True, False, True, (True, False, 0)),
+    "normalized DOC_ROWS, a document a program": ((1, 64, 128), (1, 50, 128), True, True, False, (False, True, 168)),
+    "normalized DOC_ROWS unmasked": ((1, 64, 128), (1, 50, 128), False, True, False, (False, True, 168)),
+    "normalized DOC_ROWS persistent walk": ((1, 64, 128), (6, 50, 128), True, True, False, (True, True, 0)),
+    "normalized argmax, not DOC_ROWS": ((1, 64, 128), (1, 50, 128), True, True, True, (False, False, 0)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CAP_CASES), ids=list(CAP_CASES))
+def test_register_caps_where_the_rule_says(case, device, monkeypatch, any_size):
+    """PIPE_MASK_BITS_THIN_MAXNREG caps thin persistent walks that read their masks ahead, DOC_ROWS_SUMS_MAXNREG the
+    DOC_ROWS programs that sum their tiles' squares one document each; nothing else is capped."""
+    q_shape, d_shape, masked, normalize, argmax, expected = CAP_CASES[case]
+    monkeypatch.setattr(launch_settings, "STREAM_ONCE_READ", 0)
+    Q = torch.randn(q_shape, dtype=DTYPE, device=device)
+    D = torch.randn(d_shape, dtype=DTYPE, device=device)
+    d_mask = torch.ones(d_shape[:-1], dtype=torch.bool, device=device) if masked else None
+    kernels_on(device)
+    seen = forward_launches(
+        monkeypatch,
+        lambda: launch.forward(Q, D, None, d_mask, normalize, argmax),
+        lambda c, w, s, maxnreg: (c["PERSIST"], c["DOC_ROWS"], maxnreg),
+        maxnreg=True,
+    )
+    assert seen == [expected]
 
 
 def test_mask_bits_not_for_128_token_tiles(device, monkeypatch, any_size):

@@ -26,7 +26,7 @@ import maxsim
 from maxsim import layout
 from maxsim.bench.peers import MaxsimImpl
 from maxsim.bench.runner import make_call, peak_extra_mib
-from maxsim.bench.workloads import RAGGED_LAYOUTS, WORKLOADS, make_inputs, seed_of, select
+from maxsim.bench.workloads import RAGGED_LAYOUTS, WORKLOADS, Workload, make_inputs, seed_of, select
 from maxsim.kernels import configs, launch_backward, launch_forward, launch_settings
 
 MODULES = {"launch_settings": launch_settings, "configs": configs, "layout": layout}
@@ -66,11 +66,21 @@ def apply(settings: dict[str, int], defaults: dict[str, object]) -> None:
     launch_forward.plans.clear()
 
 
+def parse_shape(mode: str, text: str) -> Workload:
+    """``LAYOUT:NQxNDxLQxLD[xDIM]`` (a dense layout: cross, candidates, pairs) -> a workload of ``mode``."""
+    layout, _, dims = text.partition(":")
+    parts = dims.split("x")
+    if layout not in ("cross", "candidates", "pairs") or len(parts) not in (4, 5) or not all(map(str.isdigit, parts)):
+        raise SystemExit(f"--shape {text!r}: expected cross|candidates|pairs:NQxNDxLQxLD[xDIM]")
+    return Workload(mode, layout, *map(int, parts))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=("train", "infer"))
     ap.add_argument("patterns", nargs="*")
     ap.add_argument("--variant", action="append", required=True, help="label:NAME=VALUE,...")
+    ap.add_argument("--shape", action="append", default=[], help="a shape of no table: LAYOUT:NQxNDxLQxLD[xDIM]")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--normalize", action="store_true", help="maxsim called with normalize=True")
@@ -82,7 +92,10 @@ def main() -> None:
     dev, dt = torch.device("cuda"), torch.bfloat16
     plain = not (args.normalize or args.masked)
     impl = MaxsimImpl() if plain else MaxsimImpl(*_scorers(maxsim, args.normalize, args.masked))
-    for w in select(mode=args.mode, only=args.patterns or None, table=WORKLOADS + OFF_MATRIX + WIDE):
+    table = WORKLOADS + OFF_MATRIX + WIDE
+    shapes = [parse_shape(args.mode, text) for text in args.shape]
+    chosen = select(mode=args.mode, only=args.patterns, table=table) if args.patterns or not shapes else []
+    for w in chosen + shapes:
         inp = make_inputs(w, dev, dt, seed_of(w))
         if w.layout in RAGGED_LAYOUTS:
             fn, operands = impl.prepare_ragged(w, inp, dev, dt)

@@ -243,11 +243,7 @@ def forward_keeping_norms(
             dict(LQ_BLOCK=min(128, next_power_of_2(Lq)), SAVE_ARGMAX=need_argmax),
         )  # fmt: skip
     bits = mask_bits(cfg, d_mask is not None, stream, need_argmax)
-    maxnreg = cfg.maxnreg
-    if bits and not stream and cfg.BQ * cfg.TQ <= 32 and settings.PIPE_MASK_BITS_THIN_MAXNREG:
-        maxnreg = settings.PIPE_MASK_BITS_THIN_MAXNREG
-    if doc_rows and sums_squares and docs_per_prog == 1 and not stream and settings.DOC_ROWS_SUMS_MAXNREG:
-        maxnreg = settings.DOC_ROWS_SUMS_MAXNREG
+    maxnreg = register_cap(cfg, bits, docs_per_prog > 1, doc_rows and sums_squares and not stream)
     inv_q_strides = query_strides(torch.empty(Q.shape[:-1] + (1,), device="meta")) if norms_given else (0, 0)
     inv_d_strides = (
         document_strides(torch.empty(D.shape[:-1] + (1,), device="meta"), shared) if norms_given else (0, 0, 0)
@@ -397,8 +393,8 @@ def mask_bits(cfg: ForwardConfig, masked: bool, stream: bool, need_argmax: bool)
     tile's own iteration (or, in the stream, two tiles ahead); 1, as the bits of one integer, read ahead (the stream's
     two tiles, the pipelined loop's one); 2 (pipelined loops), as the flags the next tile's bits are reduced from,
     loaded a tile ahead. Bits need tiles of at most 64 tokens; a pipelined loop takes them (settings.PIPE_MASK_BITS
-    for scores, PIPE_MASK_BITS_ARGMAX with the argmax) in row blocks of PIPE_MASK_BITS_MIN_ROWS rows or more,
-    where a thin block's registers would lose it a program a multiprocessor (see launch_settings)."""
+    for scores, PIPE_MASK_BITS_ARGMAX with the argmax) in row blocks of PIPE_MASK_BITS_MIN_ROWS rows or more (thin
+    blocks of persistent walks under a register cap: :func:`register_cap`)."""
     if not masked or cfg.BLOCK_N > 64:
         return 0
     if stream:
@@ -406,6 +402,18 @@ def mask_bits(cfg: ForwardConfig, masked: bool, stream: bool, need_argmax: bool)
     if cfg.BQ * cfg.TQ < settings.PIPE_MASK_BITS_MIN_ROWS:
         return 0
     return int(settings.PIPE_MASK_BITS_ARGMAX if need_argmax else settings.PIPE_MASK_BITS)
+
+
+def register_cap(cfg: ForwardConfig, bits: int, persistent: bool, doc_rows_sums: bool) -> int:
+    """The forward's ``maxnreg`` (0: none): ``cfg``'s, or a cap that keeps a program more a multiprocessor where a
+    variant's registers were measured to cost one, without spills (see launch_settings): thin blocks of persistent
+    walks that carry their masks read ahead (``bits``: :func:`mask_bits`), and DOC_ROWS programs that sum their
+    tiles' squares (``doc_rows_sums``) one document each."""
+    if bits and persistent and cfg.BQ * cfg.TQ <= 32 and settings.PIPE_MASK_BITS_THIN_MAXNREG:
+        return settings.PIPE_MASK_BITS_THIN_MAXNREG
+    if doc_rows_sums and not persistent and settings.DOC_ROWS_SUMS_MAXNREG:
+        return settings.DOC_ROWS_SUMS_MAXNREG
+    return cfg.maxnreg
 
 
 def once_read_scan(

@@ -205,25 +205,28 @@ STREAM_MASK_BITS = 1
 # 1: the flags of a 64-token tile had taken a byte load, its address and two compares a column in every thread, in
 # front of the select), as the next tile's loaded flags with the argmax (PIPE_MASK_BITS_ARGMAX = 2, reduced to bits
 # at the tile: the argmax's loops sit at 255 registers, where bits spilled more, 28 bytes against 12 in 256-row blocks
-# of 96 dims, 12 against none for 128-row blocks of 1024-token queries), for blocks of PIPE_MASK_BITS_MIN_ROWS
-# rows or more (a 32-row block's bits took it from 96 to 102-106 registers, 5 to 4 programs a multiprocessor:
-# candidates 256x16 training steps 211 -> 250 us, minima). Read in the tile's own iteration, bits had cost
-# 1.10-1.52x (v133); read two tiles ahead, Triton's pipeliner staged no copies at all. H200, in-process (tools/knobs.py
-# --masked, all-true masks; h200-knobs-pipe-bits.txt's calls K-M), us, flags -> the rule: 128x128 Lq32 Ld300 151.0
-# -> 118.9, ColPali 1x500 350.5 -> 273.8, 7x1000 Lq23 dim 96 86.6 -> 74.1; normalized: 128x128 176.5 -> 152.0, 1x5000
-# Lq64 Ld180 131.6 -> 124.4, candidates 64x20 Lq64 60.6 -> 54.2, 32x100 Lq48 104.5 -> 96.0; training steps 256x256
-# Ld300 1138.6 -> 1029.2 (bits for the argmax too: 1108, calls F and I), ColPali-sized 32x32 Lq1024 906.5 -> 865.9.
+# of 96 dims, 12 against none for 128-row blocks of 1024-token queries), in row blocks of PIPE_MASK_BITS_MIN_ROWS
+# rows or more. Read in the tile's own iteration, bits had cost 1.10-1.52x (v133); read two tiles ahead, Triton's
+# pipeliner staged no copies at all. H200, in-process (tools/knobs.py --masked, all-true masks;
+# h200-knobs-pipe-bits.txt's calls K-M), us, flags -> v134: 128x128 Lq32 Ld300 151.0 -> 118.9, ColPali 1x500 350.5
+# -> 273.8, 7x1000 Lq23 dim 96 86.6 -> 74.1; normalized: 128x128 176.5 -> 152.0, 1x5000 Lq64 Ld180 131.6 -> 124.4,
+# candidates 64x20 Lq64 60.6 -> 54.2, 32x100 Lq48 104.5 -> 96.0; training steps 256x256 Ld300 1138.6 -> 1029.2 (bits
+# for the argmax too: 1108, calls F and I), ColPali-sized 32x32 Lq1024 906.5 -> 865.9.
+# Thin blocks (<= 32 rows) too since v136; in persistent programs under a cap of PIPE_MASK_BITS_THIN_MAXNREG
+# registers: the flags ahead took the argmax's persistent walk from 96 to 106 registers, a program fewer a
+# multiprocessor, and fit 96 without spills. H200, in-process (h200-knobs-thin-bits.txt, calls B and C), forward GPU
+# time of 10 training steps, flags -> uncapped -> capped, us: candidates 256x16 Ld300 1109 -> 1521 -> 978, 64x32
+# Ld180 402 -> 521 -> 353; one document a program (pairs: 72 registers, no cap: a cap made it 76 and slower) pairs
+# 512 Ld300 199 -> 176, 1000 Ld180 241 -> 217 (capped 255); inference scans 1x10000 Ld300 202.8 -> 185.0 us.
 PIPE_MASK_BITS = 1
 PIPE_MASK_BITS_ARGMAX = 2
-PIPE_MASK_BITS_MIN_ROWS = 33
-# A register cap for thin (<= 32-row) pipelined blocks that carry their masks read ahead (0: none; only matters with
-# PIPE_MASK_BITS_MIN_ROWS <= 32): compiled for sm_90, the argmax's flags-ahead loop of candidates 256x16 fits 96
-# registers without spills (106 uncapped), which keeps its 5 programs a multiprocessor.
-PIPE_MASK_BITS_THIN_MAXNREG = 0
-# A register cap for pipelined DOC_ROWS programs that sum their tiles' squares, one document each (0: none). Compiled
-# for sm_90, masked normalized 64-row blocks took 238 registers (2 programs a multiprocessor; 164 persistent), 165
-# without spills under a cap of 168 (to be measured).
-DOC_ROWS_SUMS_MAXNREG = 0
+PIPE_MASK_BITS_MIN_ROWS = 0
+PIPE_MASK_BITS_THIN_MAXNREG = 96
+# A register cap for pipelined DOC_ROWS programs that sum their tiles' squares, one document each (0: none): 64-row
+# blocks of normalized scans took 236-242 registers there (164 in persistent walks), two programs a multiprocessor,
+# and 165-167 without spills under this cap, three. H200, in-process (h200-knobs-thin-bits.txt, call C), masked and
+# normalized 1x5000 Lq64 Ld180 124.3 -> 108.8 us (cap 152: 109.9); persistent rows unchanged.
+DOC_ROWS_SUMS_MAXNREG = 168
 # Per card (a substring of its name, first match): the L2 sizes beyond which a dense unmasked once-read scan of
 # 16-bit tokens of 65-128 dims (one chunk of 128) runs the table's pipelined loop with
 # configs.once_read_config's tiles instead of the stream, whatever STREAM_L2_RANGE says. On an H200 the stream's one
