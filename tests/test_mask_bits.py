@@ -99,6 +99,8 @@ def test_register_caps_where_the_rule_says(case, device, monkeypatch, any_size):
     DOC_ROWS programs that sum their tiles' squares one document each; nothing else is capped."""
     q_shape, d_shape, masked, normalize, argmax, expected = CAP_CASES[case]
     monkeypatch.setattr(launch_settings, "STREAM_ONCE_READ", 0)
+    # (planned for one multiprocessor on any device, as under the interpreter: six documents make a persistent walk)
+    monkeypatch.setattr(device_info, "sm_count", lambda device: 1)
     Q = torch.randn(q_shape, dtype=DTYPE, device=device)
     D = torch.randn(d_shape, dtype=DTYPE, device=device)
     d_mask = torch.ones(d_shape[:-1], dtype=torch.bool, device=device) if masked else None
