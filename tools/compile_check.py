@@ -114,7 +114,8 @@ def fake_call(self, grid, tensors, ints, constexprs, num_warps, num_stages=3, pl
                 flags = {k: v for k, v in constexprs.items() if isinstance(v, bool | int)}
                 data = next((sig[k] for k in ("Q", "QT", "X1") if k in sig), "?").lstrip("*")  # the inputs' dtype
                 shared = compiled.metadata.shared
-                print(f"{kernel.__name__} {data} warps={num_warps} {flags}: {ptxas_usage(compiled.asm['ptx'])}, "
+                cap = f" maxnreg={maxnreg}" if maxnreg else ""
+                print(f"{kernel.__name__} {data} warps={num_warps}{cap} {flags}: {ptxas_usage(compiled.asm['ptx'])}, "
                       f"{shared} bytes shared", flush=True)  # fmt: skip
             if compiled.metadata.shared > SHARED_LIMIT:  # (found at the first launch on a GPU, not by the compile)
                 raise RuntimeError(f"{compiled.metadata.shared} bytes of shared memory, more than {SHARED_LIMIT}")
