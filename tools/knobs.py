@@ -9,6 +9,8 @@ machines: only variants timed side by side in one process are compared.
 Usage (on the GPU):
   python tools/knobs.py train 'cross-64x64-lq23-ld333-d96' --variant base: \\
       --variant owner:SHARED_OWNER_MAX_WORK=0x10000000000
+  python tools/knobs.py infer --shape cross:1x200x64x180 --shape candidates:2x50x64x300x96 --masked --normalize \\
+      --variant new: --variant nocap:DOC_ROWS_SUMS_MAXNREG=0      (``--shape``: a dense shape of no table)
 """
 
 from __future__ import annotations
