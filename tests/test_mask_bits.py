@@ -99,6 +99,10 @@ def test_register_caps_where_the_rule_says(case, device, monkeypatch, any_size):
     DOC_ROWS programs that sum their tiles' squares one document each; nothing else is capped."""
     q_shape, d_shape, masked, normalize, argmax, expected = CAP_CASES[case]
     monkeypatch.setattr(launch_settings, "STREAM_ONCE_READ", 0)
+    # (the rule under these settings, whatever their defaults)
+    for name, value in (("PIPE_MASK_BITS_MIN_ROWS", 0), ("PIPE_MASK_BITS_THIN_MAXNREG", 96),
+                        ("DOC_ROWS_SUMS_MAXNREG", 168)):  # fmt: skip
+        monkeypatch.setattr(launch_settings, name, value)
     # (planned for one multiprocessor on any device, as under the interpreter: six documents make a persistent walk)
     monkeypatch.setattr(device_info, "sm_count", lambda device: 1)
     Q = torch.randn(q_shape, dtype=DTYPE, device=device)
