@@ -9,7 +9,7 @@ rows with the bench's host timer), and each row reports the median and the minim
 Usage:
   python tools/ab_steps.py --make-old REV            # here: .devdata/oldpkg/maxsim_old from `git archive REV`
   PYTHONPATH=src:.devdata/oldpkg python tools/ab_steps.py train|infer [PATTERN ...] [--normalize] [--masked]
-                                                      [--profile]  # GPU
+                                                      [--profile] [--shape LAYOUT:NQxNDxLQxLD[xDIM]]  # GPU
                                                       # (carry .devdata)
   PYTHONPATH=src python tools/ab_steps.py train|infer [PATTERN ...] --normalize-cost   # normalize=True vs False
   PYTHONPATH=src:.devdata/oldpkg python tools/ab_steps.py train|infer [PATTERN ...] --cpu   # here: --quick shapes
@@ -74,10 +74,11 @@ def _scorers(lib, normalize: bool, masked: bool = False) -> tuple:
 
 def compare(
     mode: str, patterns: list[str] | None, rounds: int, normalize: bool = False, plain: bool = False,
-    profile: bool = False, cpu: bool = False, masked: bool = False,
+    profile: bool = False, cpu: bool = False, masked: bool = False, shapes: list[str] | None = None,
 ) -> None:  # fmt: skip
     import torch
     from offmatrix import OFF_MATRIX  # (tools/ is on sys.path when this runs as a script)
+    from probe_common import parse_shape
     from triton.testing import do_bench
 
     import maxsim
@@ -97,7 +98,9 @@ def compare(
         }
     if cpu:  # (eager on the bench's padded copies for ragged rows: the CPU record's peer)
         impls["eager"] = EagerImpl()
-    for w in select(mode=mode, only=patterns, quick=cpu, table=WORKLOADS + OFF_MATRIX):
+    extra = [parse_shape(mode, text) for text in shapes or ()]
+    chosen = select(mode=mode, only=patterns, quick=cpu, table=WORKLOADS + OFF_MATRIX) if patterns or not extra else []
+    for w in chosen + extra:
         inp = make_inputs(w, dev, dt, seed_of(w))
         calls = {}
         for name, impl in impls.items():
@@ -142,13 +145,14 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="GPU time per kernel of both versions (torch.profiler)")
     ap.add_argument("--cpu", action="store_true", help="on this CPU, --quick shapes, fp32, eager beside")
     ap.add_argument("--masked", action="store_true", help="dense calls of both versions with an all-True d_mask")
+    ap.add_argument("--shape", action="append", default=[], help="a shape of no table: LAYOUT:NQxNDxLQxLD[xDIM]")
     args = ap.parse_args()
     if args.make_old:
         make_old(args.make_old)
     if args.mode:
         compare(
             args.mode, args.patterns or None, args.rounds, args.normalize, args.normalize_cost, args.profile, args.cpu,
-            args.masked,
+            args.masked, args.shape,
         )  # fmt: skip
 
 

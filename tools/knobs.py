@@ -21,14 +21,14 @@ import statistics
 import torch
 from ab_steps import _scorers  # tools/ is on sys.path when this runs as a script
 from offmatrix import OFF_MATRIX, WIDE
-from probe_common import kernel_table
+from probe_common import kernel_table, parse_shape
 from triton.testing import do_bench
 
 import maxsim
 from maxsim import layout
 from maxsim.bench.peers import MaxsimImpl
 from maxsim.bench.runner import make_call, peak_extra_mib
-from maxsim.bench.workloads import RAGGED_LAYOUTS, WORKLOADS, Workload, make_inputs, seed_of, select
+from maxsim.bench.workloads import RAGGED_LAYOUTS, WORKLOADS, make_inputs, seed_of, select
 from maxsim.kernels import configs, launch_backward, launch_forward, launch_settings
 
 MODULES = {"launch_settings": launch_settings, "configs": configs, "layout": layout}
@@ -66,15 +66,6 @@ def apply(settings: dict[str, int], defaults: dict[str, object]) -> None:
     configs.forward_config.cache_clear()
     launch_backward.plans.clear()
     launch_forward.plans.clear()
-
-
-def parse_shape(mode: str, text: str) -> Workload:
-    """``LAYOUT:NQxNDxLQxLD[xDIM]`` (a dense layout: cross, candidates, pairs) -> a workload of ``mode``."""
-    layout, _, dims = text.partition(":")
-    parts = dims.split("x")
-    if layout not in ("cross", "candidates", "pairs") or len(parts) not in (4, 5) or not all(map(str.isdigit, parts)):
-        raise SystemExit(f"--shape {text!r}: expected cross|candidates|pairs:NQxNDxLQxLD[xDIM]")
-    return Workload(mode, layout, *map(int, parts))
 
 
 def main() -> None:

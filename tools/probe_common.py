@@ -6,6 +6,8 @@ from collections.abc import Callable
 
 import torch
 
+from maxsim.bench.workloads import Workload
+
 #: name: (Nq, Nd, Lq, Ld, dim) of the cross-product training steps the tools break down (design.md §7's large steps,
 #: the small contrastive ones, and issue 5's off-matrix shape).
 TRAIN_CROSS_SHAPES = {
@@ -34,3 +36,12 @@ def kernel_table(label: str, step: Callable[[], object], host: bool = False, row
         torch.cuda.synchronize()
     print(f"profile of 10 calls, {label}:")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60))
+
+
+def parse_shape(mode: str, text: str) -> Workload:
+    """``LAYOUT:NQxNDxLQxLD[xDIM]`` (a dense layout: cross, candidates, pairs) -> a workload of ``mode``."""
+    layout, _, dims = text.partition(":")
+    parts = dims.split("x")
+    if layout not in ("cross", "candidates", "pairs") or len(parts) not in (4, 5) or not all(map(str.isdigit, parts)):
+        raise SystemExit(f"--shape {text!r}: expected cross|candidates|pairs:NQxNDxLQxLD[xDIM]")
+    return Workload(mode, layout, *map(int, parts))
