@@ -295,15 +295,15 @@ def _scan_tile(
 
 @triton.jit
 def _finish_rows(
-    m2, a2, n_end, any_valid, qt, q_rows, inv_rows, row_ok, dim,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, NORMALIZE: tl.constexpr,
-    NORMS_GIVEN: tl.constexpr, SAVE_ARGMAX: tl.constexpr, UPCAST: tl.constexpr, DOC_ROWS: tl.constexpr,
+    m2, a2, n_end, any_valid, q_scale, inv_rows, row_ok,
+    BLOCK_N: tl.constexpr, NORMALIZE: tl.constexpr, NORMS_GIVEN: tl.constexpr, SAVE_ARGMAX: tl.constexpr,
+    DOC_ROWS: tl.constexpr,
 ):  # fmt: skip
     """Row maxima of one row block after its last tile: ``(value [rows] (0 where the row is not live), argmax
-    [rows] (-1 there), live [rows])``; the cross-lane reduction happens here, once per row block. ``qt`` is the
-    query block as loaded (not transposed)."""
+    [rows] (-1 there), live [rows])``; the cross-lane reduction happens here, once per row block. ``q_scale``: the
+    rows' inverse norms of :func:`_query_inv_norms` (``NORMALIZE`` without ``NORMS_GIVEN``; else unused)."""
     m = tl.reduce(m2, 0 if DOC_ROWS else 1, nan_max)
-    a = tl.zeros([qt.shape[0]], dtype=tl.int32)  # (unused when no argmax is kept)
+    a = tl.zeros([row_ok.shape[0]], dtype=tl.int32)  # (unused when no argmax is kept)
     if SAVE_ARGMAX:
         # Each slot's winning token (tile offsets from the end of the last tile scanned, n_end; integers in fp32,
         # exact below 2^24); the row's is the first slot holding its max (a NaN row: its first NaN). One compare,
@@ -314,17 +314,30 @@ def _finish_rows(
         a = tl.min(tl.where(first, tok, float("inf")), axis=1).to(tl.int32)
     if NORMALIZE and NORMS_GIVEN:
         m = m * tl.load(inv_rows, mask=row_ok, other=0.0)
-    elif NORMALIZE:
-        # The query's norm is a positive per-row factor: it scales the max without moving the argmax.
+    elif NORMALIZE:  # (a positive per-row factor: it scales the max without moving the argmax)
+        m = m * q_scale
+    row_live = row_ok & (tl.zeros([row_ok.shape[0]], dtype=tl.int32) + tl.max(any_valid, axis=0) > 0)
+    return tl.where(row_live, m, 0.0), tl.where(row_live, a, -1), row_live
+
+
+@triton.jit
+def _query_inv_norms(
+    qt, q_rows, row_ok, dim, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, NORMALIZE: tl.constexpr,
+    NORMS_GIVEN: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """``[rows]`` inverse norms of the query block's rows (``qt``: its first dim chunk as loaded), for
+    :func:`_finish_rows`; computed before the tile loop, so that ``qt`` need not stay in registers through it (the
+    tile product reads the block from shared memory). Zeros where unused (no ``NORMALIZE``, or ``NORMS_GIVEN``)."""
+    if NORMALIZE and not NORMS_GIVEN:
         sumsq_q = tl.zeros([qt.shape[0]], dtype=tl.float32)
         for kc in tl.static_range(NUM_K):
             if NUM_K > 1:
                 qt = _load_q_chunk(q_rows, row_ok, kc, dim, BLOCK_K, UPCAST)
             qf = qt.to(tl.float32)
             sumsq_q += tl.sum(qf * qf, axis=1)
-        m = m * (1.0 / tl.maximum(tl.sqrt(sumsq_q), NORM_EPS))
-    row_live = row_ok & (tl.zeros([qt.shape[0]], dtype=tl.int32) + tl.max(any_valid, axis=0) > 0)
-    return tl.where(row_live, m, 0.0), tl.where(row_live, a, -1), row_live
+        return 1.0 / tl.maximum(tl.sqrt(sumsq_q), NORM_EPS)
+    else:
+        return tl.zeros([qt.shape[0]], dtype=tl.float32)
 
 
 @triton.jit
@@ -384,6 +397,7 @@ def _row_block(
     a2 = _argmax_slots(BLOCK_M, BLOCK_N, SAVE_ARGMAX)
     any_valid = tl.zeros([BLOCK_N], dtype=tl.int32)
     q_op = _mma_queries(qt, DOC_ROWS)
+    q_scale = _query_inv_norms(qt, q_rows, row_ok, dim, BLOCK_K, NUM_K, NORMALIZE, NORMS_GIVEN, UPCAST)
     # STREAM_D: a tile's tokens one tile ahead of their MMA, its mask (for the select after it) one tile further;
     # the pipelined loop's tiles come through the copies' stages, and MASK_BITS carries their masks a tile ahead.
     MASK_AHEAD: tl.constexpr = HAS_DMASK and STREAM_D
@@ -409,8 +423,8 @@ def _row_block(
             DOT_PRECISION, UPCAST, EARLY_NORMS, STREAM_D, DOC_ROWS, MASK_BITS,
         )  # fmt: skip
     row_val, a, live = _finish_rows(
-        m2, a2, tl.cdiv(d_len, BLOCK_N) * BLOCK_N, any_valid, qt, q_rows, iq_base + t * siq_l, row_ok, dim,
-        BLOCK_N, BLOCK_K, NUM_K, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX, UPCAST, DOC_ROWS,
+        m2, a2, tl.cdiv(d_len, BLOCK_N) * BLOCK_N, any_valid, q_scale, iq_base + t * siq_l, row_ok,
+        BLOCK_N, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX, DOC_ROWS,
     )  # fmt: skip
     return t, row_val, a, live
 
@@ -530,6 +544,7 @@ def maxsim_fwd_kernel(
         a2 = _argmax_slots(BLOCK_M, BLOCK_N, SAVE_ARGMAX)
         any_valid = tl.zeros([BLOCK_N], dtype=tl.int32)
         q_op = _mma_queries(qt, DOC_ROWS)
+        q_scale = _query_inv_norms(qt, q_rows, row_ok, dim, BLOCK_K, NUM_K, NORMALIZE, NORMS_GIVEN, UPCAST)
         # STREAM_D: tile it + 2's mask and tile it + 1's tokens in flight during tile it's MMA (of this document
         # or the next ones); a tile past the program's last one has no columns (nothing is read).
         MASK_AHEAD: tl.constexpr = HAS_DMASK and STREAM_D
@@ -571,8 +586,8 @@ def maxsim_fwd_kernel(
             )  # fmt: skip
             if n0 + BLOCK_N >= Ld:  # the document's last tile: its scores, then a fresh running max
                 row_val, a, _live = _finish_rows(
-                    m2, a2, n0 + BLOCK_N, any_valid, qt, q_rows, iq_base + t * siq_l, row_ok, dim, BLOCK_N, BLOCK_K,
-                    NUM_K, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX, UPCAST, DOC_ROWS,
+                    m2, a2, n0 + BLOCK_N, any_valid, q_scale, iq_base + t * siq_l, row_ok, BLOCK_N, NORMALIZE,
+                    NORMS_GIVEN, SAVE_ARGMAX, DOC_ROWS,
                 )  # fmt: skip
                 if SAVE_ARGMAX:
                     tl.store(ARG + (q_out.to(tl.int64) * K + k) * Lq + t, a, mask=q_in & (t < r_hi))

@@ -226,7 +226,10 @@ PIPE_MASK_BITS_THIN_MAXNREG = 96
 # blocks of normalized scans took 236-242 registers there (164 in persistent walks), two programs a multiprocessor,
 # and 165-167 without spills under this cap, three. H200, in-process (h200-knobs-thin-bits.txt, call C), masked and
 # normalized 1x5000 Lq64 Ld180 124.3 -> 108.8 us (cap 152: 109.9); persistent rows unchanged.
-DOC_ROWS_SUMS_MAXNREG = 168
+# (Branch lead/query-norms-before-loop, not measured: with the query's norms computed before the tile loop, these
+# variants compile to 125-128 registers uncapped, 4 programs a multiprocessor, and to 159-167 under the cap: the
+# cap is off here. To be measured against main: tools/ab_steps.py infer --normalize [--masked].)
+DOC_ROWS_SUMS_MAXNREG = 0
 # Per card (a substring of its name, first match): the L2 sizes beyond which a dense unmasked once-read scan of
 # 16-bit tokens of 65-128 dims (one chunk of 128) runs the table's pipelined loop with
 # configs.once_read_config's tiles instead of the stream, whatever STREAM_L2_RANGE says. On an H200 the stream's one
