@@ -397,7 +397,8 @@ def _row_block(
     a2 = _argmax_slots(BLOCK_M, BLOCK_N, SAVE_ARGMAX)
     any_valid = tl.zeros([BLOCK_N], dtype=tl.int32)
     q_op = _mma_queries(qt, DOC_ROWS)
-    q_scale = _query_inv_norms(qt, q_rows, row_ok, dim, BLOCK_K, NUM_K, NORMALIZE, NORMS_GIVEN, UPCAST)
+    if not STREAM_D:  # (the stream's thin block costs few registers: its norms wait until its loads are out)
+        q_scale = _query_inv_norms(qt, q_rows, row_ok, dim, BLOCK_K, NUM_K, NORMALIZE, NORMS_GIVEN, UPCAST)
     # STREAM_D: a tile's tokens one tile ahead of their MMA, its mask (for the select after it) one tile further;
     # the pipelined loop's tiles come through the copies' stages, and MASK_BITS carries their masks a tile ahead.
     MASK_AHEAD: tl.constexpr = HAS_DMASK and STREAM_D
@@ -422,10 +423,14 @@ def _row_block(
             any_valid, dt_pre, ok_pre, BLOCK_N, BLOCK_K, NUM_K, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX,
             DOT_PRECISION, UPCAST, EARLY_NORMS, STREAM_D, DOC_ROWS, MASK_BITS,
         )  # fmt: skip
+    if STREAM_D:
+        q_scale = tl.full([BLOCK_M], 1.0, tl.float32)
     row_val, a, live = _finish_rows(
         m2, a2, tl.cdiv(d_len, BLOCK_N) * BLOCK_N, any_valid, q_scale, iq_base + t * siq_l, row_ok,
         BLOCK_N, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX, DOC_ROWS,
     )  # fmt: skip
+    if STREAM_D and NORMALIZE and not NORMS_GIVEN:  # (0 where a row is not live stays 0: the factor is finite)
+        row_val *= _query_inv_norms(qt, q_rows, row_ok, dim, BLOCK_K, NUM_K, NORMALIZE, NORMS_GIVEN, UPCAST)
     return t, row_val, a, live
 
 

@@ -226,9 +226,10 @@ PIPE_MASK_BITS_THIN_MAXNREG = 96
 # blocks of normalized scans took 236-242 registers there (164 in persistent walks), two programs a multiprocessor,
 # and 165-167 without spills under this cap, three. H200, in-process (h200-knobs-thin-bits.txt, call C), masked and
 # normalized 1x5000 Lq64 Ld180 124.3 -> 108.8 us (cap 152: 109.9); persistent rows unchanged.
-# (Branch lead/query-norms-before-loop, not measured: with the query's norms computed before the tile loop, these
-# variants compile to 125-128 registers uncapped, 4 programs a multiprocessor, and to 159-167 under the cap: the
-# cap is off here. To be measured against main: tools/ab_steps.py infer --normalize [--masked].)
+# Off since v137: with the query's inverse norms computed before the tile loop these variants take 125-128 registers
+# uncapped (4 programs a multiprocessor) and 159-167 under the cap; H200, in-process (h200-ab-query-norms.txt, call
+# 1), the cap of 168 against none: masked and normalized 1x5000 Lq64 Ld180 103.0 against 101.3 us, candidates
+# 32x100 Ld256 72.4 against 65.3, 1x1000 Ld1024 86.8 against 82.1.
 DOC_ROWS_SUMS_MAXNREG = 0
 # Per card (a substring of its name, first match): the L2 sizes beyond which a dense unmasked once-read scan of
 # 16-bit tokens of 65-128 dims (one chunk of 128) runs the table's pipelined loop with
