@@ -429,8 +429,11 @@ def _row_block(
         m2, a2, tl.cdiv(d_len, BLOCK_N) * BLOCK_N, any_valid, q_scale, iq_base + t * siq_l, row_ok,
         BLOCK_N, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX, DOC_ROWS,
     )  # fmt: skip
-    if STREAM_D and NORMALIZE and not NORMS_GIVEN:  # (0 where a row is not live stays 0: the factor is finite)
-        row_val *= _query_inv_norms(qt, q_rows, row_ok, dim, BLOCK_K, NUM_K, NORMALIZE, NORMS_GIVEN, UPCAST)
+    if STREAM_D and NORMALIZE and not NORMS_GIVEN:
+        # The select, as in _finish_rows, keeps the product out of an FMA with the caller's row sum: the scores
+        # round as the table's do.
+        q_scale = _query_inv_norms(qt, q_rows, row_ok, dim, BLOCK_K, NUM_K, NORMALIZE, NORMS_GIVEN, UPCAST)
+        row_val = tl.where(live, row_val * q_scale, 0.0)
     return t, row_val, a, live
 
 
