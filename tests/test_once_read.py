@@ -81,6 +81,7 @@ TABLE_ROWS64 = (False, 32, 4, 4, False)  # (one program a document where there a
         ("one query, document mask, normalized", H200, 3.0, TABLE_64),  # (ONCE_READ_TABLE_MASKED_SUMS)
         ("candidates, document mask, normalized", H200, 3.0, TABLE_64),
         ("one query of 64 rows, document mask, normalized", H200, 3.0, "pipelined"),
+        ("one query of 64 rows, document mask, normalized, 64-row bound", H200, 3.0, (False, 64, 4, 4, False)),
         ("one query, document mask, normalized, rule off", H200, 3.0, "stream"),
         ("one query, rule off", H200, 3.0, "stream"),
         ("several query blocks", H200, 3.0, "table as it is"),  # (each tile read by every block)
@@ -101,6 +102,8 @@ def test_once_read_table_chosen_where_the_rule_says(what, card_name, l2s, expect
         monkeypatch.setattr(launch_settings, "ONCE_READ_TABLE", 0)
     elif what.endswith("rule off"):
         monkeypatch.setattr(launch_settings, "ONCE_READ_TABLE_MASKED_SUMS", 0)
+    elif what.endswith("64-row bound"):  # (ONCE_READ_TABLE_MASKED_SUMS_MAX_ROWS: measured slower, see there)
+        monkeypatch.setattr(launch_settings, "ONCE_READ_TABLE_MASKED_SUMS_MAX_ROWS", 64)
     card(card_name, int(D.numel() * D.element_size() / l2s))
     if what == "training forward":
         seen = _launches(monkeypatch, lambda: maxsim(Q, D, return_argmax=True))

@@ -435,8 +435,9 @@ def once_read_scan(
     if rows > (settings.STREAM_SHARED_MAX_ROWS if shared else settings.STREAM_UNSHARED_MAX_ROWS):
         return None
     l2s = D.numel() * D.element_size() / device_info.l2_bytes(D.device)
-    # (a document mask: normalized thin blocks only, see ONCE_READ_TABLE_MASKED_SUMS)
-    table_mask = normalize and rows <= 32 and bool(settings.ONCE_READ_TABLE_MASKED_SUMS)
+    # (a document mask: normalized thin blocks only, see ONCE_READ_TABLE_MASKED_SUMS[_MAX_ROWS])
+    masked_rows = settings.ONCE_READ_TABLE_MASKED_SUMS_MAX_ROWS
+    table_mask = normalize and rows <= masked_rows and bool(settings.ONCE_READ_TABLE_MASKED_SUMS)
     wide_dense = (not masked or table_mask) and sg.d_kind == DENSE and cfg.BLOCK_K == 128
     bound = once_read_table_l2(D.device)
     if rows > 32 and bound != math.inf and K > 1:  # (one document a query: nothing to walk, see there)

@@ -243,10 +243,13 @@ DOC_ROWS_SUMS_MAXNREG = 0
 # take the table too (ONCE_READ_TABLE_MASKED_SUMS): H200, in-process (h200-knobs-mask-bits.txt's call B), us, stream
 # with mask bits -> table: candidates 32x100 Lq32 Ld256 86.8 -> 72.0, 1x1000 Ld1024 95.1 -> 86.3, 1x10000 Ld300 and
 # 1x4000 Ld1024 dim 64 1.00x; not plain ones (candidates 32x100 63.2 -> 67.5, the rest 0.99-1.01x) nor 64-row blocks
-# (plain 1.26-1.44x slower, normalized 1.12-1.27x).
+# (plain 1.26-1.44x slower, normalized 1.12-1.27x). Again after v137 (ONCE_READ_TABLE_MASKED_SUMS_MAX_ROWS = 64 against
+# 32, h200-knobs-after-v137.txt, call 5: the persistent walk with mask bits against the one-document loop), masked
+# and normalized 64-row blocks 1.15-1.37x slower: 1x5000 Lq64 Ld180 123.6 against 100.7 us, 1x2000 Ld300 86.7 / 63.4.
 ONCE_READ_TABLE_L2: tuple[tuple[str, float], ...] = (("H200", 2.0),)
 ONCE_READ_TABLE = 1
 ONCE_READ_TABLE_MASKED_SUMS = 1
+ONCE_READ_TABLE_MASKED_SUMS_MAX_ROWS = 32
 # On those cards, blocks of 33-64 rows take the table from ONCE_READ_WIDE_TABLE_L2 L2 sizes (its programs persistent,
 # configs.ONCE_READ_WIDE_PERSIST: the stream's tiles were worth more than one-document table programs, not than
 # persistent ones). H200, in-process, stream -> persistent table (docs/performance.md v96): 1x1000 Lq64 Ld300 (1.2
