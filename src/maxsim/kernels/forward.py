@@ -277,7 +277,13 @@ def _scan_tile(
         s = s * _per_token(inv_cols, DOC_ROWS)
     # The running max costs ALU instructions per element that the MMA does not hide; a full tile of a document
     # without a mask has nothing to mask, so only a document's last tile (or a masked document) pays the select.
-    if HAS_DMASK:
+    if MASK_BITS and SAVE_ARGMAX:
+        # The same for a masked tile whose bits are all set (every column in the document and kept: the usual tile
+        # of a padded batch), in the argmax loops; one compare of a uniform integer chooses.
+        FULL: tl.constexpr = -1 if BLOCK_N >= 32 else (1 << BLOCK_N) - 1
+        if ok_pre != FULL:
+            s = tl.where(_per_token(col_ok, DOC_ROWS), s, float("-inf"))
+    elif HAS_DMASK:
         s = tl.where(_per_token(col_ok, DOC_ROWS), s, float("-inf"))
     elif n0 + BLOCK_N > d_len:
         s = tl.where(_per_token(in_doc, DOC_ROWS), s, float("-inf"))
