@@ -120,7 +120,7 @@ def test_register_cap_reaches_triton_only_when_set(fake_gpu):
     lc(3, (x,), (16,), {"BLOCK": 32}, 4)
     lc(3, (x,), (16,), {"BLOCK": 32}, 4, 2, None, 128)
     assert "maxnreg" not in k.log[0][3]
-    assert k.log[1][3] == {"BLOCK": 32, "num_warps": 4, "num_stages": 2, "maxnreg": 128}
+    assert k.log[1][3] == {"BLOCK": 32, "num_warps": 4, "num_stages": 2, "maxnreg": 128, **launcher.COMPILE_OPTIONS}
 
 
 def test_long_query_forwards_share_one_uncapped_configuration():
@@ -464,3 +464,13 @@ def test_fp32_runs_on_the_tensor_cores_at_fp32_accuracy(monkeypatch):
                 cfg = forward_config(lq, dim, nq, shared, True)
                 assert cfg.BQ * cfg.TQ <= 64 and cfg.persist == 0 and cfg.maxnreg == 0, (lq, dim, nq, shared, cfg)
                 assert min(64, lq) <= cfg.TQ, "a query longer than its block is split over programs"
+
+
+def test_compiles_ask_for_fused_multiply_adds(fake_gpu):
+    """Every compile asks for FMA contraction (Triton 3.10 turns it off unless asked): the kernels' speed and their
+    rounding from one variant to another were measured with it."""
+    k = FakeKernel()
+    lc = launcher.Launcher(k)
+    lc(3, (torch.zeros(16),), (7,), {"BLOCK": 32}, 4, maxnreg=96)
+    ((kind, _grid, _args, kwargs),) = k.log
+    assert kind == "triton" and kwargs["enable_fp_fusion"] is True and kwargs["maxnreg"] == 96

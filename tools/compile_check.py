@@ -108,6 +108,7 @@ def fake_call(self, grid, tensors, ints, constexprs, num_warps, num_stages=3, pl
     try:
         src = ASTSource(kernel, sig, consts, attrs)
         options = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+        options.update(launcher.COMPILE_OPTIONS)  # (as the library's launches ask)
         if FULL:
             compiled = triton.compile(src, target=TARGET, options=options)
             if REGS:

@@ -9,6 +9,16 @@ Usage:
 ``--candidates``: ``D [NQ, K, LD, DIM]`` (each query's own documents), else ``[1, K, LD, DIM]`` shared; ``--masked``:
 an all-true document mask; ``--set``: launch settings (``launch_settings.NAME``), as tools/knobs.py takes them;
 ``--dump``: each kernel's TTGIR, PTX and SASS written to DIR (``k<i>.{ttgir,ptx,sass}``, in launch order).
+
+The device's compiler: the lent GPUs run Triton 3.6, whose registers differ from this machine's 3.9 (the masked and
+normalized 1x5000 Lq64 forward: 168 there, 128 here). Its wheel compiles here too, and then agrees with ncu on the
+device (168, 159, 225 and 198 registers for docs/performance.md v137-v138's four kernels):
+
+  pip download --no-deps triton==3.6.0 -d /tmp/triton36-wheel
+  pip install --no-deps --target /tmp/triton36 /tmp/triton36-wheel/triton-3.6.0-*.whl
+  PYTHONPATH=/tmp/triton36:src:tools python tools/sass_of.py 1 5000 64 180 128 --masked --normalize
+
+(``/tmp``: the checkout's ignored folders travel to the device, within 64 MiB.) compile_check.py takes it the same way.
 """
 
 from __future__ import annotations
