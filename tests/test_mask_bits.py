@@ -36,9 +36,9 @@ RULE_CASES = {
     "candidates": ((2, 20, 96), (2, 3, 50, 96), True, {}, (True, True)),
     "no mask": ((1, 32, 128), (6, 50, 128), False, {}, (True, False)),
     "setting off": ((1, 32, 128), (6, 50, 128), True, {"STREAM_MASK_BITS": 0}, (True, False)),
-    "pipelined, 64-row block": ((1, 64, 128), (6, 50, 128), True, {"STREAM_ONCE_READ": 0}, (False, 1)),
-    "pipelined, shared by row blocks": ((8, 32, 128), (6, 50, 128), True, {}, (False, 1)),
-    "pipelined, thin block": ((1, 32, 128), (6, 50, 128), True, {"STREAM_ONCE_READ": 0}, (False, 1)),
+    "pipelined, 64-row block": ((1, 64, 128), (6, 50, 128), True, {"STREAM_ONCE_READ": 0}, (False, 2)),
+    "pipelined, shared by row blocks": ((8, 32, 128), (6, 50, 128), True, {}, (False, 2)),
+    "pipelined, thin block": ((1, 32, 128), (6, 50, 128), True, {"STREAM_ONCE_READ": 0}, (False, 2)),
     "pipelined, thin block, setting": (
         (1, 32, 128), (6, 50, 128), True, {"STREAM_ONCE_READ": 0, "PIPE_MASK_BITS_MIN_ROWS": 33}, (False, 0),
     ),
@@ -244,6 +244,66 @@ def test_mask_bits_argmax_of_a_training_forward(persistent, on, device, monkeypa
     assert (runs[on][1][0, 0] == -1).all() and (runs[on][1][0, 1] == D.shape[2] - 1).all()
     ref = reference.maxsim(Q.double(), D.double(), d_mask=d_mask)
     torch.testing.assert_close(runs[on][0].double(), ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def _kept_tiles(d_shape, device) -> torch.Tensor:
+    """A mask whose 64-token tiles are fully kept, kept up to a token inside them, or kept with one hole: each
+    document ``i`` keeps a prefix of ``(64, 128, 100, Ld, 65, 127)[i % 6]`` tokens, and document ``i % 6 == 5`` loses
+    token 70 too (its second tile has a hole, its first none)."""
+    ld = d_shape[-2]
+    mask = torch.zeros(d_shape[:-1], dtype=torch.bool)
+    for i, row in enumerate(mask.view(-1, ld)):
+        row[: min(ld, (64, 128, 100, ld, 65, 127)[i % 6])] = True
+        if i % 6 == 5 and ld > 70:
+            row[70] = False
+    return mask.to(device)
+
+
+@pytest.mark.parametrize("loop", [*LOOPS, "argmax"])
+@pytest.mark.parametrize("persistent", [False, True], ids=["one program a document", "persistent walk"])
+def test_fully_kept_tiles_skip_the_select(persistent, loop, device, monkeypatch, any_size):
+    """A tile whose mask bits are all set skips the select (forward._scan_tile): the flags' scores (and argmax) bit
+    for bit where fully kept tiles sit beside tiles kept up to a token and tiles with a hole, with inf and NaN in the
+    masked tokens after them (which the skip must not let through)."""
+    streams = loop == "stream"
+    if streams and persistent:
+        pytest.skip("thin streams take one document a program here")
+    argmax = loop == "argmax"
+    chooser, setting, on, _ = LOOPS["pipelined, flags ahead" if argmax else loop]
+    setting = "PIPE_MASK_BITS_ARGMAX" if argmax else setting
+    for name, value in chooser.items():
+        monkeypatch.setattr(launch_settings, name, value)
+    monkeypatch.setattr(launch_settings, "PIPE_MASK_BITS_MIN_ROWS", 0)
+    Q = int_grid((2, 20, 64), seed=5, dtype=DTYPE, device=device)
+    D = int_grid((2, 6, 150, 64), seed=6, dtype=DTYPE, device=device)
+    d_mask = _kept_tiles(D.shape, device)
+    D[~d_mask] = float("inf")
+    D[..., 149, :] = float("nan")  # (masked in every document but the fully kept one, whose score is NaN)
+    cfg = None
+    if not streams:
+        cfg = configs.forward_config(20, 64, 2, False)
+        cfg = dataclasses.replace(cfg, BLOCK_N=64, persist=2 if persistent else 0)
+        if persistent:
+            monkeypatch.setattr(device_info, "sm_count", lambda device: 1)
+    kernels_on(device)
+    runs = {}
+    for bits in (on, 0):
+        monkeypatch.setattr(launch_settings, setting, bits)
+        launch_forward.plans.clear()
+
+        def call():
+            return launch.forward(Q, D, None, d_mask, False, argmax, cfg=cfg)
+
+        seen = forward_launches(monkeypatch, call, lambda c, w, s: (c["STREAM_D"], c["MASK_BITS"], c["PERSIST"]))
+        assert seen == [(streams, bits, persistent)]
+        runs[bits] = call()
+    launch_forward.plans.clear()
+    torch.testing.assert_close(runs[on][0], runs[0][0], rtol=0, atol=0, equal_nan=True)
+    if argmax:
+        assert torch.equal(runs[on][1], runs[0][1])
+    ref = reference.maxsim(Q.double(), D.double(), d_mask=d_mask)
+    torch.testing.assert_close(runs[on][0].double(), ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert torch.isnan(runs[on][0][:, 3]).all() and not torch.isnan(runs[on][0][:, :3]).any()
 
 
 @pytest.mark.parametrize("loop", list(LOOPS))

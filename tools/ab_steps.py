@@ -8,8 +8,9 @@ rows with the bench's host timer), and each row reports the median and the minim
 
 Usage:
   python tools/ab_steps.py --make-old REV            # here: .devdata/oldpkg/maxsim_old from `git archive REV`
-  PYTHONPATH=src:.devdata/oldpkg python tools/ab_steps.py train|infer [PATTERN ...] [--normalize] [--masked]
-                                                      [--profile] [--shape LAYOUT:NQxNDxLQxLD[xDIM]]  # GPU
+  PYTHONPATH=src:.devdata/oldpkg python tools/ab_steps.py train|infer [PATTERN ...] [--normalize]
+                                                      [--masked [all|prefix|holes]] [--profile]
+                                                      [--shape LAYOUT:NQxNDxLQxLD[xDIM]]  # GPU
                                                       # (carry .devdata)
   PYTHONPATH=src python tools/ab_steps.py train|infer [PATTERN ...] --normalize-cost   # normalize=True vs False
   PYTHONPATH=src:.devdata/oldpkg python tools/ab_steps.py train|infer [PATTERN ...] --cpu   # here: --quick shapes
@@ -47,34 +48,34 @@ def make_old(rev: str) -> None:
     print(f"wrote {OLD} from {rev}")
 
 
-def _with_document_mask(fn):
-    """``fn`` called with an all-True ``d_mask`` of ``D``'s token shape (a padded batch's host path; one mask per
-    shape, made once, as a training loop's collate would hand it over)."""
+def _with_document_mask(fn, kind: str):
+    """``fn`` called with a ``d_mask`` of ``D``'s token shape, of probe_common's ``kind`` (one mask per shape, made
+    once, as a training loop's collate would hand it over; the same for both versions)."""
     masks: dict = {}
 
     def call(Q, D, **kw):
         mask = masks.get(D.shape[:-1])
         if mask is None:
-            import torch
+            from probe_common import document_mask
 
-            mask = masks[D.shape[:-1]] = torch.ones(D.shape[:-1], dtype=torch.bool, device=D.device)
+            mask = masks[D.shape[:-1]] = document_mask(D.shape[:-1], kind, D.device)
         return fn(Q, D, d_mask=mask, **kw)
 
     return call
 
 
-def _scorers(lib, normalize: bool, masked: bool = False) -> tuple:
-    """The library's four entry points for MaxsimImpl, with ``normalize`` set and, with ``masked``, a document mask
-    on the dense ones."""
+def _scorers(lib, normalize: bool, masked: str | None = None) -> tuple:
+    """The library's four entry points for MaxsimImpl, with ``normalize`` set and, with ``masked`` (a mask kind),
+    a document mask on the dense ones."""
     fns = (lib.maxsim, lib.maxsim_pairs, lib.maxsim_varlen, lib.maxsim_pairs_varlen)
     if masked:
-        fns = (_with_document_mask(fns[0]), _with_document_mask(fns[1]), *fns[2:])
+        fns = (_with_document_mask(fns[0], masked), _with_document_mask(fns[1], masked), *fns[2:])
     return tuple(functools.partial(f, normalize=True) for f in fns) if normalize else fns
 
 
 def compare(
     mode: str, patterns: list[str] | None, rounds: int, normalize: bool = False, plain: bool = False,
-    profile: bool = False, cpu: bool = False, masked: bool = False, shapes: list[str] | None = None,
+    profile: bool = False, cpu: bool = False, masked: str | None = None, shapes: list[str] | None = None,
 ) -> None:  # fmt: skip
     import torch
     from offmatrix import OFF_MATRIX  # (tools/ is on sys.path when this runs as a script)
@@ -144,7 +145,10 @@ def main() -> None:
     ap.add_argument("--normalize-cost", action="store_true", help="this version with normalize=True against without")
     ap.add_argument("--profile", action="store_true", help="GPU time per kernel of both versions (torch.profiler)")
     ap.add_argument("--cpu", action="store_true", help="on this CPU, --quick shapes, fp32, eager beside")
-    ap.add_argument("--masked", action="store_true", help="dense calls of both versions with an all-True d_mask")
+    ap.add_argument(
+        "--masked", nargs="?", const="all", choices=("all", "prefix", "holes"),
+        help="dense calls of both versions with a d_mask: all True (the default), kept prefixes, prefixes with holes",
+    )  # fmt: skip
     ap.add_argument("--shape", action="append", default=[], help="a shape of no table: LAYOUT:NQxNDxLQxLD[xDIM]")
     args = ap.parse_args()
     if args.make_old:

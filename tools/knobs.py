@@ -21,7 +21,7 @@ import statistics
 import torch
 from ab_steps import _scorers  # tools/ is on sys.path when this runs as a script
 from offmatrix import OFF_MATRIX, WIDE
-from probe_common import kernel_table, parse_shape
+from probe_common import MASK_KINDS, kernel_table, parse_shape
 from triton.testing import do_bench
 
 import maxsim
@@ -77,7 +77,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--normalize", action="store_true", help="maxsim called with normalize=True")
-    ap.add_argument("--masked", action="store_true", help="maxsim called with an all-True d_mask")
+    ap.add_argument(
+        "--masked", nargs="?", const="all", choices=MASK_KINDS,
+        help="maxsim called with a d_mask: all True (the default), kept prefixes, prefixes with holes",
+    )  # fmt: skip
     args = ap.parse_args()
     variants = dict(parse_variant(v) for v in args.variant)
     names = {n for s in variants.values() for n in s}

@@ -8,10 +8,10 @@ Each shape is called a few times first (compiles and plans outside the range), t
         --section MemoryWorkloadAnalysis python tools/ncu_probe.py 1x10000x32x300 1x1000x32x300 1x5000x64x180
 
 A shape is ``NQxNDxLQxLD`` (cross product, bf16, dim 128) or ``NQxKxLQxLD:cand`` (each query's own candidates);
-``--dim`` changes the token dimension; ``--masked`` adds a document mask (a kept prefix of half to all the tokens,
-less 10 % holes), ``--normalize`` passes ``normalize=True``. ``--train``: a training step per shape instead (the
-argmax forward and the backward, with a random upstream gradient), e.g. the backward kernel of the small steps
-(docs/performance.md v77-v80):
+``--dim`` changes the token dimension; ``--masked [KIND]`` adds a document mask (probe_common.MASK_KINDS; by default
+a kept prefix of half to all the tokens, less 10 % holes), ``--normalize`` passes ``normalize=True``. ``--train``: a
+training step per shape instead (the argmax forward and the backward, with a random upstream gradient), e.g. the
+backward kernel of the small steps (docs/performance.md v77-v80):
 
     ncu --profile-from-start off --kernel-name maxsim_bwd_kernel --section WarpStateStats \
         --section SchedulerStats --section SourceCounters python tools/ncu_probe.py --train 32x32x32x80
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from probe_common import MASK_KINDS, document_mask  # (tools/ is on sys.path when this runs as a script)
 
 import maxsim
 
@@ -43,7 +44,9 @@ def main() -> None:
     ap.add_argument("shapes", nargs="+", help="NQxNDxLQxLD[:cand]")
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--train", action="store_true", help="a training step per shape (forward and backward)")
-    ap.add_argument("--masked", action="store_true", help="with a document mask (a kept prefix less 10%% holes)")
+    ap.add_argument(
+        "--masked", nargs="?", const="holes", choices=MASK_KINDS, help="a document mask (default: a prefix with holes)"
+    )
     ap.add_argument("--normalize", action="store_true", help="normalize=True")
     args = ap.parse_args()
     calls = []
@@ -53,12 +56,7 @@ def main() -> None:
         D = torch.randn(*((nq,) if cand else ()), nd, ld, args.dim, device="cuda", dtype=torch.bfloat16,
                         requires_grad=args.train)  # fmt: skip
         g = torch.randn(nq, nd, device="cuda")
-        mask = None
-        if args.masked:
-            lengths = torch.randint(ld // 2, ld + 1, D.shape[:-2], device="cuda")
-            mask = torch.arange(ld, device="cuda") < lengths[..., None]
-            mask &= torch.rand(mask.shape, device="cuda") >= 0.1
-            mask[..., 0] = True
+        mask = document_mask(D.shape[:-1], args.masked, "cuda") if args.masked else None
         calls.append((text, Q, D, g, mask))
 
     def call(Q, D, g, mask) -> None:

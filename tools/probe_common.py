@@ -38,6 +38,28 @@ def kernel_table(label: str, step: Callable[[], object], host: bool = False, row
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60))
 
 
+#: Document masks the probes can pass: every token kept (a padded batch of equal lengths), a kept prefix of half to
+#: all of each document's tokens (padding only), or that prefix less about 10 % holes (PyLate's skiplist tokens).
+MASK_KINDS = ("all", "prefix", "holes")
+
+
+def document_mask(shape: tuple[int, ...], kind: str, device: torch.device | str, seed: int = 0) -> torch.Tensor:
+    """A bool ``d_mask`` of token shape ``shape`` (``[..., Ld]``) of one of :data:`MASK_KINDS`; each document keeps
+    its first token, so no document is empty."""
+    if kind not in MASK_KINDS:
+        raise ValueError(f"mask kind: expected one of {MASK_KINDS}, got {kind!r}")
+    ld = shape[-1]
+    if kind == "all":
+        return torch.ones(shape, dtype=torch.bool, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    lengths = torch.randint(ld // 2, ld + 1, shape[:-1], device=device, generator=gen)
+    mask = torch.arange(ld, device=device) < lengths[..., None]
+    if kind == "holes":
+        mask &= torch.rand(shape, device=device, generator=gen) >= 0.1
+    mask[..., 0] = True
+    return mask
+
+
 def parse_shape(mode: str, text: str) -> Workload:
     """``LAYOUT:NQxNDxLQxLD[xDIM]`` (a dense layout: cross, candidates, pairs) -> a workload of ``mode``."""
     layout, _, dims = text.partition(":")

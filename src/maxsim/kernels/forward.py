@@ -145,6 +145,15 @@ def _stream_tile(d_base, n0, d_len, sd_l, dim, live, BLOCK_N: tl.constexpr, BLOC
 
 
 @triton.jit
+def _next_tile(j, n0, d_len, BLOCK_N: tl.constexpr):
+    """The tile after tile ``n0`` of a walk's document ``j`` (dense documents of ``d_len`` tokens): ``(j, n0)`` of
+    the next one, the next document's first tile past the last."""
+    n_next = n0 + BLOCK_N
+    wrap = n_next >= d_len
+    return j + wrap.to(j.dtype), tl.where(wrap, 0, n_next)
+
+
+@triton.jit
 def _first_tile(
     d_base, d_len, sd_l, dim, live, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STREAM_D: tl.constexpr
 ):  # fmt: skip
@@ -277,9 +286,11 @@ def _scan_tile(
         s = s * _per_token(inv_cols, DOC_ROWS)
     # The running max costs ALU instructions per element that the MMA does not hide; a full tile of a document
     # without a mask has nothing to mask, so only a document's last tile (or a masked document) pays the select.
-    if MASK_BITS and SAVE_ARGMAX:
+    if MASK_BITS == 2 or (MASK_BITS == 1 and STREAM_D):
         # The same for a masked tile whose bits are all set (every column in the document and kept: the usual tile
-        # of a padded batch), in the argmax loops; one compare of a uniform integer chooses.
+        # of a padded batch); one compare of a uniform integer chooses. Not where a pipelined loop reduces the next
+        # tile's flags to bits in this tile's iteration (MASK_BITS 1 without STREAM_D): the branch held that
+        # reduction, and the flags' load latency, in front of the MMA.
         FULL: tl.constexpr = -1 if BLOCK_N >= 32 else (1 << BLOCK_N) - 1
         if ok_pre != FULL:
             s = tl.where(_per_token(col_ok, DOC_ROWS), s, float("-inf"))
@@ -565,28 +576,29 @@ def maxsim_fwd_kernel(
         dm_row = DM + b * sdm_b + k_lo * sdm_k
         ok = _ahead_ok(dm_row, 0, tl.where(n_it > 0, Ld, 0), sdm_l, BLOCK_N, MASK_AHEAD, MASK_BITS)
         dt = _first_tile(D + b * sd_b + k_lo * sd_k, Ld, sd_l, dim, n_it > 0, BLOCK_N, BLOCK_K, STREAM_D)
-        dm_next = dm_row + (1 // n_tiles) * sdm_k
-        n_next = (1 % n_tiles) * BLOCK_N
-        ok_next = _ahead_ok(dm_next, n_next, tl.where(n_it > 1, Ld, 0), sdm_l, BLOCK_N, MASK_AHEAD, MASK_BITS)
+        # The walk's position: document k_lo + j, tile offset n0, stepped a tile an iteration. (Derived from `it`,
+        # each tile paid a division by n_tiles for itself and each tile ahead, ~50 instructions a warp a tile.)
+        j = k_lo * 0
+        n0 = j.to(tl.int32)
+        j1, n1 = _next_tile(j, n0, Ld, BLOCK_N)
+        ok_next = _ahead_ok(dm_row + j1 * sdm_k, n1, tl.where(n_it > 1, Ld, 0), sdm_l, BLOCK_N, MASK_AHEAD, MASK_BITS)
         if MASK_BITS == 2:
             raw_lo, raw_hi = _raw_flags(dm_row, 0, tl.where(n_it > 0, Ld, 0), sdm_l, BLOCK_N)
         for it in range(0, n_it):
-            k = k_lo + it // n_tiles
-            n0 = (it % n_tiles) * BLOCK_N
+            k = k_lo + j
+            j1, n1 = _next_tile(j, n0, Ld, BLOCK_N)
             dt_pre, ok_pre = dt, ok
             if STREAM_D:
-                d_next = D + b * sd_b + (k_lo + (it + 1) // n_tiles) * sd_k
-                n_next = ((it + 1) % n_tiles) * BLOCK_N
-                dt = _stream_tile(d_next, n_next, Ld, sd_l, dim, it + 1 < n_it, BLOCK_N, BLOCK_K)
+                d_next = D + b * sd_b + (k_lo + j1) * sd_k
+                dt = _stream_tile(d_next, n1, Ld, sd_l, dim, it + 1 < n_it, BLOCK_N, BLOCK_K)
                 ok = ok_next
-                dm_next = dm_row + ((it + 2) // n_tiles) * sdm_k
-                n_next = ((it + 2) % n_tiles) * BLOCK_N
+                j2, n2 = _next_tile(j1, n1, Ld, BLOCK_N)
                 ok_next = _ahead_ok(
-                    dm_next, n_next, tl.where(it + 2 < n_it, Ld, 0), sdm_l, BLOCK_N, MASK_AHEAD, MASK_BITS
+                    dm_row + j2 * sdm_k, n2, tl.where(it + 2 < n_it, Ld, 0), sdm_l, BLOCK_N, MASK_AHEAD, MASK_BITS
                 )
             elif MASK_BITS:  # (the pipelined loop: the next tile's mask bits, as _row_block's)
-                dm_next = dm_row + ((it + 1) // n_tiles) * sdm_k
-                n_next = ((it + 1) % n_tiles) * BLOCK_N
+                dm_next = dm_row + j1 * sdm_k
+                n_next = n1
                 if MASK_BITS == 1:
                     ok = _tile_bits(dm_next, n_next, tl.where(it + 1 < n_it, Ld, 0), sdm_l, BLOCK_N)
                 else:
@@ -611,6 +623,7 @@ def maxsim_fwd_kernel(
                 m2 = _fresh_max(BLOCK_M, BLOCK_N, DOC_ROWS)
                 a2 = _argmax_slots(BLOCK_M, BLOCK_N, SAVE_ARGMAX)
                 any_valid = tl.zeros([BLOCK_N], dtype=tl.int32)
+            j, n0 = j1, n1
     else:
         d_base, _d_tok0, d_len, d_bad = doc_segment(
             D, DSEG, b, doc, K, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, D_KIND

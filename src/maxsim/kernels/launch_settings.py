@@ -212,13 +212,21 @@ STREAM_MASK_BITS = 1
 # -> 273.8, 7x1000 Lq23 dim 96 86.6 -> 74.1; normalized: 128x128 176.5 -> 152.0, 1x5000 Lq64 Ld180 131.6 -> 124.4,
 # candidates 64x20 Lq64 60.6 -> 54.2, 32x100 Lq48 104.5 -> 96.0; training steps 256x256 Ld300 1138.6 -> 1029.2 (bits
 # for the argmax too: 1108, calls F and I), ColPali-sized 32x32 Lq1024 906.5 -> 865.9.
+# Scores too since v140 (PIPE_MASK_BITS = 2), where a tile whose bits are all set skips the select (v138's branch,
+# forward._scan_tile): with bits reduced in their own load's iteration the branch held that reduction, and the load's
+# latency, in front of the MMA (ncu, 128x128 masked: 19 % of the warps' samples on the flags), and the skip ran 1.05-
+# 1.16x slower than the select (h200-masks-v140.txt, call 1). H200, in-process, v139's code, PIPE_MASK_BITS 1 -> 2
+# (tools/knobs.py infer --masked KIND, h200-masks-v140.txt's call 3), us: all kept 128x128 Lq32 Ld300 107.6 -> 96.4,
+# ColPali 1x500 277.8 -> 252.1, corpus scan 32x65536 10060 -> 8535, 16x2000 Ld512 dim 64 233.3 -> 178.9, 3x777 Lq100
+# dim 96 88.6 -> 74.9 (0.77-0.91x); kept prefixes 0.84-0.94x; prefixes with 10 % holes 0.94-0.99x; normalized, all
+# kept, 0.91-0.98x.
 # Thin blocks (<= 32 rows) too since v136; in persistent programs under a cap of PIPE_MASK_BITS_THIN_MAXNREG
 # registers: the flags ahead took the argmax's persistent walk from 96 to 106 registers, a program fewer a
 # multiprocessor, and fit 96 without spills. H200, in-process (h200-knobs-thin-bits.txt, calls B and C), forward GPU
 # time of 10 training steps, flags -> uncapped -> capped, us: candidates 256x16 Ld300 1109 -> 1521 -> 978, 64x32
 # Ld180 402 -> 521 -> 353; one document a program (pairs: 72 registers, no cap: a cap made it 76 and slower) pairs
 # 512 Ld300 199 -> 176, 1000 Ld180 241 -> 217 (capped 255); inference scans 1x10000 Ld300 202.8 -> 185.0 us.
-PIPE_MASK_BITS = 1
+PIPE_MASK_BITS = 2
 PIPE_MASK_BITS_ARGMAX = 2
 PIPE_MASK_BITS_MIN_ROWS = 0
 PIPE_MASK_BITS_THIN_MAXNREG = 96
