@@ -118,6 +118,8 @@ def test_once_read_table_chosen_where_the_rule_says(what, card_name, l2s, expect
         assert seen[0][0] is False
     elif expected == "table as it is":
         cfg = configs.forward_config(lq, dim, nq, not what.startswith("candidates"))
+        if what != "training forward":  # (packed blocks halved where the documents fit: tests/test_half_packed.py)
+            cfg = launch_forward.half_packed_blocks(cfg, D) or cfg
         if what != "training forward" and launch_forward.widened_thin_for_doc_rows(cfg):
             # (a thin scores-only block takes 64-token tiles where the table gives 32: tests/test_doc_rows.py)
             cfg = dataclasses.replace(cfg, BLOCK_N=launch_settings.DOC_ROWS_MIN_BLOCK_N)

@@ -249,5 +249,7 @@ def test_the_table_plans_packed_rows(device, monkeypatch):
     D = torch.randn(128, 333, 128, dtype=torch.float16, device=device)
     for lq, packed in ((23, True), (32, False)):
         Q = torch.randn(128, lq, 128, dtype=torch.float16, device=device)
-        seen = forward_launches(monkeypatch, lambda Q=Q: maxsim.maxsim(Q, D), lambda c, w, s: (c["PACKED"], c["BQ"]))
+        seen = forward_launches(
+            monkeypatch, lambda Q=Q: maxsim.maxsim(Q, D, return_argmax=True), lambda c, w, s: (c["PACKED"], c["BQ"])
+        )
         assert seen == [(packed, 8)]

@@ -291,6 +291,22 @@ def scores_only_config(cfg: ForwardConfig, Lq: int) -> ForwardConfig:
     return cfg
 
 
+def half_packed_config(cfg: ForwardConfig) -> ForwardConfig | None:
+    """A scores-only forward's packed block of 256 rows (8 warps, one persistent program a multiprocessor) as two
+    blocks of 128 rows in 4 warps, two programs a multiprocessor (``PACKED_HALF_PERSIST``), or None where ``cfg`` is
+    not such a block. A program's tile loop issues its MMA and waits for it before the tile's max and select, and the
+    8 warps of one program wait together; two programs of one warpgroup each run out of step, one's ALU work beside
+    the other's MMA (see launch_settings.PACKED_SCORES_HALF_L2 for what that costs and saves)."""
+    if cfg.BQ < 2 or cfg.BQ * cfg.TQ != 256 or cfg.num_warps != 8 or cfg.NUM_K != 1 or not cfg.persist:
+        return None
+    return replace(cfg, BQ=cfg.BQ // 2, num_warps=4, persist=PACKED_HALF_PERSIST)
+
+
+#: Persistent programs a multiprocessor for :func:`half_packed_config` (H200, in-process, h200-masks-v140.txt's
+#: call 5: one document a program instead, 128x128 Lq32 Ld300 104.6 against 86.3 us, 200x200 Ld128 152.8 / 91.2).
+PACKED_HALF_PERSIST = 2
+
+
 def deep_pipeline_config(cfg: ForwardConfig) -> ForwardConfig:
     """``cfg`` for a launch of fewer programs than multiprocessors, each alone on its multiprocessor (launch_forward's
     DEEP_PIPELINE): the pipelined tile loop with 128-token tiles in 4 stages, 128 KB of a document in flight per

@@ -22,6 +22,7 @@ from .configs import (
     ForwardConfig,
     deep_pipeline_config,
     forward_config,
+    half_packed_config,
     once_read_config,
     scores_only_config,
     streaming_config,
@@ -51,6 +52,19 @@ def once_read_table_l2(device: torch.device) -> float:
     """The card's ONCE_READ_TABLE_L2 bound (infinite for a card the table does not name)."""
     name = device_info.card_name(device)
     return next((bound for key, bound in settings.ONCE_READ_TABLE_L2 if key in name), float("inf"))
+
+
+def half_packed_blocks(cfg: ForwardConfig, D: Tensor) -> ForwardConfig | None:
+    """configs.half_packed_config's blocks for a scores-only forward against shared 16-bit documents ``D`` of at most
+    the card's PACKED_SCORES_HALF_L2 L2 sizes, else None. (The caller asks only where the 256-row blocks are two or
+    more: halving a single block adds a pass over the documents, and with normalize=True their norms' pre-pass.)"""
+    if D.element_size() != 2:
+        return None
+    name = device_info.card_name(D.device)
+    bound = next((b for key, b in settings.PACKED_SCORES_HALF_L2 if key in name), 0.0)
+    if D.numel() * D.element_size() > bound * device_info.l2_bytes(D.device):
+        return None
+    return half_packed_config(cfg)
 
 
 def docs_per_program(base: int, K: int, slots: int, tiles: int, one_doc_gain: float = 1.0) -> int:
@@ -191,6 +205,11 @@ def forward_keeping_norms(
     cfg = cfg or forward_config(Lq, dim, Nq, shared, Q.dtype == torch.float32)
     per_block = packed_queries(cfg, Nq, Lq, K, shared, device_info.sm_count(Q.device), Q.element_size())
     n_qblocks = cdiv(Nq, per_block or cfg.BQ)
+    half = half_packed_blocks(cfg, D) if from_table and not need_argmax and shared and n_qblocks > 1 else None
+    if half is not None:
+        cfg = half
+        per_block = packed_queries(cfg, Nq, Lq, K, shared, device_info.sm_count(Q.device), Q.element_size())
+        n_qblocks = cdiv(Nq, per_block or cfg.BQ)
     # Queries longer than one row block: one program per row block (more programs, shorter ones), partial scores
     # summed afterwards in a fixed order.
     n_rsplit = cdiv(Lq, cfg.TQ)

@@ -300,3 +300,14 @@ DOC_SPLIT_MIN_TILES = 4
 # (tests/test_packed_rows.py) but not faster where timed (the fp32 table's 64-row blocks: 2 queries of 23 tokens
 # either way; cross 128x128 Lq23 Ld333 and 64x64 d96 1.00x).
 PACK_ROWS = 1
+# Per card (a substring of its name, first match): scores-only forwards of packed 256-row blocks against shared
+# documents of at most this many L2 sizes run 128-row blocks in 4 warps, two programs a multiprocessor
+# (configs.half_packed_config), where one 8-warp program waited for each tile's MMA with all its warps. H200, in-process
+# (tools/knobs.py, h200-masks-v140.txt's call 5), 256 -> 128 rows, us: cross 128x128 Lq32 Ld300 91.2 -> 86.3 (masked
+# 96.3 -> 90.6), 200x200 Ld128 102.2 -> 91.2, 48x48 Lq23 dim 96 22.5 -> 19.2, 16x2000 Ld512 dim 64 (131 MB, 2.6 L2)
+# 169.2 -> 157.2, 7x1000 Lq23 dim 96 56.9 -> 55.7; but the corpus scan 32x65536 Ld256 (1 GB, 20 L2: each block reads
+# the documents from HBM, twice the blocks twice the reads) 8299 -> 8461 (masked 8686 -> 9104). Nor where the 256 rows
+# are one block (7x1000 Lq23 dim 96, normalized: the second block's norms pre-pass, 85.1 -> 98.2 us, call 6), nor
+# training forwards: the argmax's 128-row blocks in 4 warps spill (80 bytes, ptxas). Other cards keep 256 rows (not
+# measured).
+PACKED_SCORES_HALF_L2: tuple[tuple[str, float], ...] = (("H200", 4.0),)
