@@ -302,7 +302,7 @@ def half_packed_config(cfg: ForwardConfig) -> ForwardConfig | None:
     return replace(cfg, BQ=cfg.BQ // 2, num_warps=4, persist=PACKED_HALF_PERSIST)
 
 
-#: Persistent programs a multiprocessor for :func:`half_packed_config` (H200, in-process, h200-masks-v140.txt's
+#: Persistent programs a multiprocessor for :func:`half_packed_config` (H200, in-process, h200-run69.txt's
 #: call 5: one document a program instead, 128x128 Lq32 Ld300 104.6 against 86.3 us, 200x200 Ld128 152.8 / 91.2).
 PACKED_HALF_PERSIST = 2
 

@@ -215,8 +215,8 @@ STREAM_MASK_BITS = 1
 # Scores too since v140 (PIPE_MASK_BITS = 2), where a tile whose bits are all set skips the select (v138's branch,
 # forward._scan_tile): with bits reduced in their own load's iteration the branch held that reduction, and the load's
 # latency, in front of the MMA (ncu, 128x128 masked: 19 % of the warps' samples on the flags), and the skip ran 1.05-
-# 1.16x slower than the select (h200-masks-v140.txt, call 1). H200, in-process, v139's code, PIPE_MASK_BITS 1 -> 2
-# (tools/knobs.py infer --masked KIND, h200-masks-v140.txt's call 3), us: all kept 128x128 Lq32 Ld300 107.6 -> 96.4,
+# 1.16x slower than the select (h200-run69.txt, call 1). H200, in-process, v139's code, PIPE_MASK_BITS 1 -> 2
+# (tools/knobs.py infer --masked KIND, h200-run69.txt's call 3), us: all kept 128x128 Lq32 Ld300 107.6 -> 96.4,
 # ColPali 1x500 277.8 -> 252.1, corpus scan 32x65536 10060 -> 8535, 16x2000 Ld512 dim 64 233.3 -> 178.9, 3x777 Lq100
 # dim 96 88.6 -> 74.9 (0.77-0.91x); kept prefixes 0.84-0.94x; prefixes with 10 % holes 0.94-0.99x; normalized, all
 # kept, 0.91-0.98x.
@@ -303,7 +303,7 @@ PACK_ROWS = 1
 # Per card (a substring of its name, first match): scores-only forwards of packed 256-row blocks against shared
 # documents of at most this many L2 sizes run 128-row blocks in 4 warps, two programs a multiprocessor
 # (configs.half_packed_config), where one 8-warp program waited for each tile's MMA with all its warps. H200, in-process
-# (tools/knobs.py, h200-masks-v140.txt's call 5), 256 -> 128 rows, us: cross 128x128 Lq32 Ld300 91.2 -> 86.3 (masked
+# (tools/knobs.py, h200-run69.txt's call 5), 256 -> 128 rows, us: cross 128x128 Lq32 Ld300 91.2 -> 86.3 (masked
 # 96.3 -> 90.6), 200x200 Ld128 102.2 -> 91.2, 48x48 Lq23 dim 96 22.5 -> 19.2, 16x2000 Ld512 dim 64 (131 MB, 2.6 L2)
 # 169.2 -> 157.2, 7x1000 Lq23 dim 96 56.9 -> 55.7; but the corpus scan 32x65536 Ld256 (1 GB, 20 L2: each block reads
 # the documents from HBM, twice the blocks twice the reads) 8299 -> 8461 (masked 8686 -> 9104). Nor where the 256 rows
