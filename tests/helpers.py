@@ -129,6 +129,19 @@ def forward_launches(monkeypatch, call, pick, maxnreg: bool = False) -> list:
     return seen
 
 
+#: Card names as torch reports them, for tests that plan launches as on those cards.
+H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
+
+
+def plan_on_card(monkeypatch, name: str, l2_bytes: int) -> None:
+    """Plan launches as if on the card ``name`` with an L2 of ``l2_bytes`` (the forward's plans cleared)."""
+    from maxsim.kernels import device_info, launch_forward
+
+    monkeypatch.setattr(device_info, "card_name", lambda device: name)
+    monkeypatch.setattr(device_info, "l2_bytes", lambda device: l2_bytes)
+    launch_forward.plans.clear()
+
+
 def seed_of(*parts) -> int:
     """A stable seed derived from test parameters (not ``hash``, which is salted per process)."""
     return zlib.crc32(repr(parts).encode()) % (2**31)

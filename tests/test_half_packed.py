@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import INTERPRET, forward_launches, int_grid, kernels_on, rand_mask
+from helpers import H100, H200, INTERPRET, forward_launches, int_grid, kernels_on, plan_on_card, rand_mask
 
 from maxsim import maxsim, reference
 from maxsim.kernels import device_info, launch_forward, launch_settings
@@ -18,7 +18,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 DTYPE = torch.bfloat16 if torch.cuda.is_available() and not INTERPRET else torch.float16
-H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
 
 
 @pytest.fixture
@@ -26,13 +25,7 @@ def card(monkeypatch):
     """``card(name, l2_bytes)``: plans as if on that card, with that L2, on 2 multiprocessors (so that the programs
     walk several documents); plans cleared before and after."""
     monkeypatch.setattr(device_info, "sm_count", lambda device: 2)
-
-    def set_card(name: str, l2_bytes: int) -> None:
-        monkeypatch.setattr(device_info, "card_name", lambda device: name)
-        monkeypatch.setattr(device_info, "l2_bytes", lambda device: l2_bytes)
-        launch_forward.plans.clear()
-
-    yield set_card
+    yield lambda name, l2_bytes: plan_on_card(monkeypatch, name, l2_bytes)
     launch_forward.plans.clear()
 
 

@@ -178,6 +178,21 @@ def _poisoned(q_shape, d_shape, device) -> tuple[torch.Tensor, torch.Tensor, tor
     return Q, D, d_mask
 
 
+def _with_and_without_bits(monkeypatch, setting: str, on: int, call) -> tuple[dict, dict]:
+    """``call()`` with the launch setting ``setting`` at ``on`` and at 0 (plans cleared at each switch):
+    ``({bits: its forward launches' (STREAM_D, MASK_BITS, PERSIST)}, {bits: its result})``."""
+    launches, runs = {}, {}
+    for bits in (on, 0):
+        monkeypatch.setattr(launch_settings, setting, bits)
+        launch_forward.plans.clear()
+        launches[bits] = forward_launches(
+            monkeypatch, call, lambda c, w, s: (c["STREAM_D"], c["MASK_BITS"], c["PERSIST"])
+        )
+        runs[bits] = call()
+    launch_forward.plans.clear()
+    return launches, runs
+
+
 @pytest.mark.parametrize("loop", list(LOOPS))
 @pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalized"])
 @pytest.mark.parametrize("case", list(EXACT_CASES), ids=list(EXACT_CASES))
@@ -199,17 +214,11 @@ def test_mask_bits_match_the_flags(case, normalize, loop, device, monkeypatch, a
         cfg = configs.forward_config(q_shape[1], q_shape[2], q_shape[0], d_shape[0] == 1)
         cfg = dataclasses.replace(cfg, BLOCK_N=min(cfg.BLOCK_N, 64))
     kernels_on(device)
-    runs = {}
-    for bits in (on, 0):
-        monkeypatch.setattr(launch_settings, setting, bits)
-        launch_forward.plans.clear()
-
-        def call():
-            return launch.forward(Q, D, None, d_mask, normalize, False, cfg=cfg)
-
-        seen = forward_launches(monkeypatch, call, lambda c, w, s: (c["STREAM_D"], c["MASK_BITS"], c["PERSIST"]))
+    launches, runs = _with_and_without_bits(
+        monkeypatch, setting, on, lambda: launch.forward(Q, D, None, d_mask, normalize, False, cfg=cfg)[0]
+    )
+    for bits, seen in launches.items():
         assert seen == [(streams, bits, seen[0][2])] and seen[0][2] >= (how == "persistent")
-        runs[bits] = call()[0]
     torch.testing.assert_close(runs[on], runs[0], rtol=0, atol=0, equal_nan=True)
     ref = reference.maxsim(Q.double(), D.double(), d_mask=d_mask, normalize=normalize)
     torch.testing.assert_close(runs[on].double(), ref, rtol=1e-5, atol=1e-5, equal_nan=True)
@@ -286,18 +295,10 @@ def test_fully_kept_tiles_skip_the_select(persistent, loop, device, monkeypatch,
         if persistent:
             monkeypatch.setattr(device_info, "sm_count", lambda device: 1)
     kernels_on(device)
-    runs = {}
-    for bits in (on, 0):
-        monkeypatch.setattr(launch_settings, setting, bits)
-        launch_forward.plans.clear()
-
-        def call():
-            return launch.forward(Q, D, None, d_mask, False, argmax, cfg=cfg)
-
-        seen = forward_launches(monkeypatch, call, lambda c, w, s: (c["STREAM_D"], c["MASK_BITS"], c["PERSIST"]))
-        assert seen == [(streams, bits, persistent)]
-        runs[bits] = call()
-    launch_forward.plans.clear()
+    launches, runs = _with_and_without_bits(
+        monkeypatch, setting, on, lambda: launch.forward(Q, D, None, d_mask, False, argmax, cfg=cfg)
+    )
+    assert launches == {bits: [(streams, bits, persistent)] for bits in (on, 0)}
     torch.testing.assert_close(runs[on][0], runs[0][0], rtol=0, atol=0, equal_nan=True)
     if argmax:
         assert torch.equal(runs[on][1], runs[0][1])

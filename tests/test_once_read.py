@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from helpers import INTERPRET, forward_launches, int_grid, kernels_on, rand_mask
+from helpers import H100, H200, INTERPRET, forward_launches, int_grid, kernels_on, plan_on_card, rand_mask
 
 from maxsim import maxsim, maxsim_pairs, reference
 from maxsim.kernels import configs, device_info, launch_forward, launch_settings
@@ -20,7 +20,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 DTYPE = torch.bfloat16 if torch.cuda.is_available() and not INTERPRET else torch.float16
-H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
 
 
 @pytest.fixture
@@ -30,12 +29,7 @@ def card(monkeypatch):
     monkeypatch.setattr(launch_settings, "DEEP_PIPELINE", 0)
     monkeypatch.setattr(launch_settings, "DOC_SPLIT_PROGRAMS_PER_SM", 0)
 
-    def set_card(name: str, l2_bytes: int) -> None:
-        monkeypatch.setattr(device_info, "card_name", lambda device: name)
-        monkeypatch.setattr(device_info, "l2_bytes", lambda device: l2_bytes)
-        launch_forward.plans.clear()
-
-    yield set_card
+    yield lambda name, l2_bytes: plan_on_card(monkeypatch, name, l2_bytes)
     launch_forward.plans.clear()
 
 
