@@ -308,6 +308,7 @@ PACK_ROWS = 1
 # 169.2 -> 157.2, 7x1000 Lq23 dim 96 56.9 -> 55.7; but the corpus scan 32x65536 Ld256 (1 GB, 20 L2: each block reads
 # the documents from HBM, twice the blocks twice the reads) 8299 -> 8461 (masked 8686 -> 9104). Nor where the 256 rows
 # are one block (7x1000 Lq23 dim 96, normalized: the second block's norms pre-pass, 85.1 -> 98.2 us, call 6), nor
-# training forwards: the argmax's 128-row blocks in 4 warps spill (80 bytes, ptxas). Other cards keep 256 rows (not
+# training forwards: the argmax's 128-row blocks in 4 warps spill (36-80 bytes, ptxas) and ran slower (call 9, forward
+# GPU time of 10 calls: 256x256 Ld300 452.8 -> 470.1 us, 128x128 Lq23 105.5 -> 113.5). Other cards keep 256 rows (not
 # measured).
 PACKED_SCORES_HALF_L2: tuple[tuple[str, float], ...] = (("H200", 4.0),)
