@@ -58,6 +58,7 @@ def _fewest_slots(Nq: int, cap: int) -> int:
 # forward (module settings, for tools/knobs.py; see scores_only_config).
 LONG_QUERY_BLOCK_N, LONG_QUERY_NUM_WARPS, LONG_QUERY_STAGES = 64, 4, 3
 LONG_QUERY_SCORES_STAGES = 4
+LONG_QUERY_SCORES_PERSIST = 2
 
 
 # Tokens wider than this many dims (the padded width) run the forward's pipelined dim loop (forward.py's
@@ -285,9 +286,18 @@ def scores_only_config(cfg: ForwardConfig, Lq: int) -> ForwardConfig:
     queries (``Lq > 128``: 128-row blocks of 16-bit tokens, one 128-wide dim chunk) keep a fourth tile in flight,
     where the argmax forward keeps three (the same tiles in the same order: the same scores). H200, in-process
     (docs/performance.md v76), 3 -> 4 stages: ColPali 1x500 Lq1024 Ld1024 0.94x, 1x300 Lq256 Ld700 0.91x, 1x16
-    Lq1024 Ld1024 0.86x; the argmax forward of the 32x32 Lq1024 Ld1024 training step 1.01x (so it keeps 3)."""
+    Lq1024 Ld1024 0.86x; the argmax forward of the 32x32 Lq1024 Ld1024 training step 1.01x (so it keeps 3).
+
+    Their row blocks are planned as persistent programs, ``LONG_QUERY_SCORES_PERSIST`` a multiprocessor, each
+    walking consecutive documents against its block, where documents are short (launch_settings'
+    LONG_QUERY_PERSIST_MAX_TILES decides at plan time): a program's query load and pipeline fill, paid once a
+    document otherwise, then fall on its walk. H200, in-process (docs/performance.md v142), one program a document
+    -> persistent: cross 4x200 Lq300 Ld192 51.6 -> 39.7 us, Ld256 58.4 -> 48.4, Ld384 71.3 -> 65.3, Ld512 84.1 ->
+    82.4, Ld640 96.5 -> 99.8; 8x100 Lq1024 Ld300 160.5 -> 135.6, Ld768 275.9 -> 279.0; ColPali 1x500 Lq1024 Ld1024
+    221.8 -> 238.6. The argmax forward gains less and loses more (training forward kernel, 16x16 Lq512 Ld256
+    0.94x, Ld512 1.05x, 32x32 Lq1024 Ld1024 1.16x), so it keeps one program a document."""
     if Lq > 128 and cfg.TQ == 128 and cfg.BQ == 1 and cfg.BLOCK_K == 128 and cfg.NUM_K == 1:
-        return replace(cfg, num_stages=LONG_QUERY_SCORES_STAGES)
+        return replace(cfg, num_stages=LONG_QUERY_SCORES_STAGES, persist=LONG_QUERY_SCORES_PERSIST)
     return cfg
 
 

@@ -132,6 +132,7 @@ def plan_key(
         settings.DEEP_PIPELINE_MIN_LD, settings.DOC_SPLIT_BELOW, settings.DOC_SPLIT_PROGRAMS_PER_SM,
         settings.DOC_SPLIT_MIN_TILES, settings.PACK_ROWS, settings.DOC_ROWS, settings.DOC_ROWS_MAX_ROWS,
         settings.DOC_ROWS_MIN_BLOCK_N, settings.DOC_ROWS_SUMS_MAX_ROWS, settings.DOC_ROWS_WIDEN_THIN,
+        settings.LONG_QUERY_PERSIST_MAX_TILES,
     )  # fmt: skip
 
 
@@ -229,7 +230,8 @@ def forward_keeping_norms(
     sdm = (0, 0, 0) if d_mask is None else ((0 if shared else d_mask.stride(0)),) + d_mask.stride()[1:]
     rows_per_prog = cfg.TQ if n_rsplit > 1 else Lq
     docs_per_prog = 1
-    if cfg.persist and not sg.pairs and sg.d_kind == DENSE and cfg.NUM_K == 1:
+    long_docs = n_rsplit > 1 and cdiv(Ld, cfg.BLOCK_N) > settings.LONG_QUERY_PERSIST_MAX_TILES
+    if cfg.persist and not sg.pairs and sg.d_kind == DENSE and cfg.NUM_K == 1 and not long_docs:
         slots = device_info.sm_count(Q.device) * cfg.persist
         # A persistent launch planned one program to a multiprocessor (packed queries) loses the two that the
         # hardware keeps resident when each program takes one document: H100, training forward of 64x64 Lq32 Ld1024
