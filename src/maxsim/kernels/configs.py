@@ -281,23 +281,26 @@ ONCE_READ_WIDE_BLOCK_N, ONCE_READ_WIDE_STAGES = 32, 4
 ONCE_READ_WIDE_PERSIST = 3
 
 
-def scores_only_config(cfg: ForwardConfig, Lq: int) -> ForwardConfig:
+def scores_only_config(cfg: ForwardConfig, Lq: int, normalize: bool) -> ForwardConfig:
     """``cfg`` for a forward without the argmax, whose running indices would otherwise hold the registers: long
     queries (``Lq > 128``: 128-row blocks of 16-bit tokens, one 128-wide dim chunk) keep a fourth tile in flight,
     where the argmax forward keeps three (the same tiles in the same order: the same scores). H200, in-process
     (docs/performance.md v76), 3 -> 4 stages: ColPali 1x500 Lq1024 Ld1024 0.94x, 1x300 Lq256 Ld700 0.91x, 1x16
     Lq1024 Ld1024 0.86x; the argmax forward of the 32x32 Lq1024 Ld1024 training step 1.01x (so it keeps 3).
 
-    Their row blocks are planned as persistent programs, ``LONG_QUERY_SCORES_PERSIST`` a multiprocessor, each
-    walking consecutive documents against its block, where documents are short (launch_settings'
-    LONG_QUERY_PERSIST_MAX_TILES decides at plan time): a program's query load and pipeline fill, paid once a
-    document otherwise, then fall on its walk. H200, in-process (docs/performance.md v142), one program a document
-    -> persistent: cross 4x200 Lq300 Ld192 51.6 -> 39.7 us, Ld256 58.4 -> 48.4, Ld384 71.3 -> 65.3, Ld512 84.1 ->
-    82.4, Ld640 96.5 -> 99.8; 8x100 Lq1024 Ld300 160.5 -> 135.6, Ld768 275.9 -> 279.0; ColPali 1x500 Lq1024 Ld1024
-    221.8 -> 238.6. The argmax forward gains less and loses more (training forward kernel, 16x16 Lq512 Ld256
-    0.94x, Ld512 1.05x, 32x32 Lq1024 Ld1024 1.16x), so it keeps one program a document."""
+    Without ``normalize``, their row blocks are planned as persistent programs, ``LONG_QUERY_SCORES_PERSIST`` a
+    multiprocessor, each walking consecutive documents against its block, where documents are short
+    (launch_settings' LONG_QUERY_PERSIST_MAX_TILES decides at plan time): a program's query load and pipeline fill,
+    paid once a document otherwise, then fall on its walk. H200, in-process (docs/performance.md v142), one program
+    a document -> persistent: cross 4x200 Lq300 Ld192 51.6 -> 39.7 us, Ld256 58.4 -> 48.4, Ld384 71.3 -> 65.3, Ld512
+    84.1 -> 82.4, Ld640 96.5 -> 99.8; 8x100 Lq1024 Ld300 160.5 -> 135.6, Ld768 275.9 -> 279.0; ColPali 1x500 Lq1024
+    Ld1024 221.8 -> 238.6; masked (holes) 0.80-0.90x. Normalized, the walk ran slower (8x100 Lq1024 Ld300 193.4 ->
+    319.9 us, 2x1000 Lq160 Ld180 dim 96 107.3 -> 153.9), and so does the argmax forward's against long documents
+    (training forward kernel, 16x16 Lq512 Ld256 0.94x, Ld512 1.05x, 32x32 Lq1024 Ld1024 1.16x): those keep one
+    program a document."""
     if Lq > 128 and cfg.TQ == 128 and cfg.BQ == 1 and cfg.BLOCK_K == 128 and cfg.NUM_K == 1:
-        return replace(cfg, num_stages=LONG_QUERY_SCORES_STAGES, persist=LONG_QUERY_SCORES_PERSIST)
+        persist = 0 if normalize else LONG_QUERY_SCORES_PERSIST
+        return replace(cfg, num_stages=LONG_QUERY_SCORES_STAGES, persist=persist)
     return cfg
 
 

@@ -315,7 +315,7 @@ def scores_only_tiles(
         cfg = streaming_config(cfg) if scan == "stream" else once_read_config(cfg, Ld)
         widen = normalize and widened_for_doc_rows(cfg)
     else:
-        cfg = scores_only_config(cfg, Lq)
+        cfg = scores_only_config(cfg, Lq, normalize)
         level = 1 if normalize else 2  # (DOC_ROWS_WIDEN_THIN: 1 normalized forwards, 2 all)
         widen = level <= settings.DOC_ROWS_WIDEN_THIN and D.element_size() == 2 and widened_thin_for_doc_rows(cfg)
     return replace(cfg, BLOCK_N=settings.DOC_ROWS_MIN_BLOCK_N) if widen else cfg

@@ -164,10 +164,11 @@ DOC_ROWS_WIDEN_THIN = 2
 # How much faster one-document programs run than a persistent plan of one program per multiprocessor counts them
 # (two stay resident; see forward). Fitted to the H100 measurements there: any value in (1.13, 1.8) orders them.
 ONE_DOC_GAIN = 1.3
-# The long queries' scores-only row blocks (configs.scores_only_config) walk documents persistently only where a
-# document is at most this many tiles; a longer one amortizes its program's query load and pipeline fill itself, and
-# the walk's own cost shows. H200, in-process (docs/performance.md v142), one program a document -> persistent, by
-# tiles of 64 tokens: 3 tiles 0.77x, 4 0.83x, 5 0.84x, 6 0.92x, 7 0.95x, 8 0.93-0.98x, 10 1.03x, 12 1.01x, 16 1.08x.
+# The long queries' scores-only row blocks (configs.scores_only_config; not normalized) walk documents persistently
+# only where a document is at most this many tiles; a longer one amortizes its program's query load and pipeline
+# fill itself, and the walk's own cost shows. H200, in-process (docs/performance.md v142), one program a document
+# -> persistent, by tiles of 64 tokens: 3 tiles 0.77x, 4 0.83x, 5 0.84x, 6 0.92x, 7 0.95x, 8 0.93-0.98x, 10 1.03x,
+# 12 1.01x, 16 1.08x.
 LONG_QUERY_PERSIST_MAX_TILES = 8
 # Document tiles that one program alone reads (one thin block of query rows against shared documents, or each
 # query's own candidates), 16-bit, one dim chunk, are loaded into registers one tile ahead with an
