@@ -168,6 +168,35 @@ def rand_mask(shape, *, seed: int, p_valid: float = 0.7, device="cpu") -> Tensor
     return (torch.rand(tuple(shape), generator=generator(seed)) < p_valid).to(device)
 
 
+def poisoned_documents(q_shape, d_shape, *, dtype, device, masked: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(Q, D, d_mask)`` of integer tokens (every sum exact) for tests of two launch plans that must agree bit for
+    bit: the last document's first token is NaN (a valid token: its document's scores are NaN); ``masked`` adds a
+    mask with holes, a fully masked document (0), a fully kept one (1), NaN in document 2's masked tokens (never
+    read) and the last document's first token kept."""
+    Q = int_grid(q_shape, seed=1, dtype=dtype, device=device)
+    D = int_grid(d_shape, seed=2, dtype=dtype, device=device)
+    d_mask = None
+    if masked:
+        d_mask = rand_mask(d_shape[:-1], seed=3, device=device)
+        d_mask[0] = False
+        d_mask[1, :] = True
+        D[2][~d_mask[2]] = float("nan")
+        d_mask[-1, 0] = True
+    D[-1, 0, 0] = float("nan")
+    return Q, D, d_mask
+
+
+def assert_poisoned_scores(a: Tensor, b: Tensor, Q: Tensor, D: Tensor, d_mask: Tensor | None) -> None:
+    """Two plans' scores of :func:`poisoned_documents` inputs: equal bit for bit, NaN in the last document's column
+    only, and exactly the float64 reference's."""
+    import maxsim.reference
+
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(a[:, -1]).all() and not torch.isnan(a[:, :-1]).any()
+    ref = maxsim.reference.maxsim(Q.double(), D.double(), d_mask=d_mask)
+    torch.testing.assert_close(a.double(), ref, rtol=0, atol=0, equal_nan=True)
+
+
 # ----------------------------------------------------------------------------------------------------
 # inputs
 
