@@ -197,6 +197,30 @@ def assert_poisoned_scores(a: Tensor, b: Tensor, Q: Tensor, D: Tensor, d_mask: T
     torch.testing.assert_close(a.double(), ref, rtol=0, atol=0, equal_nan=True)
 
 
+def assert_plans_agree(
+    monkeypatch, setting: str, values: dict, uses_plan, Q: Tensor, D: Tensor, d_mask: Tensor | None, prepare=None
+) -> None:
+    """The scores of :func:`poisoned_documents` inputs under ``launch_settings.<setting>`` = ``values[True]`` (the
+    plan under test) and ``values[False]`` (the plan without it), per :func:`assert_poisoned_scores`.
+    ``uses_plan(call)`` says whether a call plans the one under test (checked for both values); ``prepare()`` runs
+    after each setting (a card to plan for, say)."""
+    from maxsim import maxsim
+    from maxsim.kernels import launch_forward, launch_settings
+
+    def call() -> Tensor:
+        return maxsim(Q, D, d_mask=d_mask)
+
+    runs = {}
+    for on in (True, False):
+        monkeypatch.setattr(launch_settings, setting, values[on])
+        if prepare is not None:
+            prepare()
+        assert uses_plan(call) == on
+        launch_forward.plans.clear()
+        runs[on] = call()
+    assert_poisoned_scores(runs[True], runs[False], Q, D, d_mask)
+
+
 # ----------------------------------------------------------------------------------------------------
 # inputs
 

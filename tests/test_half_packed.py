@@ -12,7 +12,7 @@ from helpers import (
     H100,
     H200,
     INTERPRET,
-    assert_poisoned_scores,
+    assert_plans_agree,
     forward_launches,
     kernels_on,
     plan_on_card,
@@ -20,7 +20,7 @@ from helpers import (
 )
 
 from maxsim import maxsim
-from maxsim.kernels import device_info, launch_forward, launch_settings
+from maxsim.kernels import device_info, launch_forward
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() or INTERPRET), reason="Triton kernels: a GPU or TRITON_INTERPRET=1"
@@ -92,12 +92,7 @@ def test_half_packed_blocks_compute_what_full_blocks_compute(case, masked, card,
     q_shape, d_shape = CASES[case]
     Q, D, d_mask = poisoned_documents(q_shape, d_shape, dtype=DTYPE, device=device, masked=masked)
     kernels_on(device)
-    runs = {}
-    for halve in (True, False):
-        monkeypatch.setattr(launch_settings, "PACKED_SCORES_HALF_L2", ((H200, 4.0),) if halve else ())
-        card(H200, 1 << 30)
-        seen = _launch(monkeypatch, lambda: maxsim(Q, D, d_mask=d_mask))
-        assert (seen[-1][1] == 4) == halve
-        launch_forward.plans.clear()
-        runs[halve] = maxsim(Q, D, d_mask=d_mask)
-    assert_poisoned_scores(runs[True], runs[False], Q, D, d_mask)
+    assert_plans_agree(
+        monkeypatch, "PACKED_SCORES_HALF_L2", {True: ((H200, 4.0),), False: ()},
+        lambda call: _launch(monkeypatch, call)[-1][1] == 4, Q, D, d_mask, prepare=lambda: card(H200, 1 << 30),
+    )  # fmt: skip

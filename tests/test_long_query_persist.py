@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import INTERPRET, assert_poisoned_scores, forward_launches, kernels_on, poisoned_documents
+from helpers import INTERPRET, assert_plans_agree, forward_launches, kernels_on, poisoned_documents
 
 from maxsim import maxsim
 from maxsim.kernels import device_info, launch_forward, launch_settings
@@ -80,10 +80,7 @@ def test_persistent_long_queries_compute_what_one_program_a_document_computes(
     q_shape, d_shape = CASES[case]
     Q, D, d_mask = poisoned_documents(q_shape, d_shape, dtype=DTYPE, device=device, masked=masked)
     kernels_on(device)
-    runs = {}
-    for walk in (True, False):
-        monkeypatch.setattr(launch_settings, "LONG_QUERY_PERSIST_MAX_TILES", 1 << 20 if walk else 0)
-        assert _persistent(monkeypatch, lambda: maxsim(Q, D, d_mask=d_mask)) == walk
-        launch_forward.plans.clear()
-        runs[walk] = maxsim(Q, D, d_mask=d_mask)
-    assert_poisoned_scores(runs[True], runs[False], Q, D, d_mask)
+    assert_plans_agree(
+        monkeypatch, "LONG_QUERY_PERSIST_MAX_TILES", {True: 1 << 20, False: 0},
+        lambda call: _persistent(monkeypatch, call), Q, D, d_mask,
+    )  # fmt: skip
