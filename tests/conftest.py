@@ -7,6 +7,7 @@ and on CPU tensors only when ``TRITON_INTERPRET=1`` was set before import (the T
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +21,12 @@ from helpers import backends_for, triton_usable  # noqa: E402
 import maxsim  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
+
+# Under pytest-xdist (the README's `-n auto`) each worker takes its share of the cores for PyTorch's own threads:
+# workers that each spawn a thread per core oversubscribe a 2-core CI machine.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
 
 
 def pytest_collection_modifyitems(config, items):
