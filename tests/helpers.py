@@ -104,6 +104,12 @@ def spy(monkeypatch, owner, name: str, record=lambda args, out: args, into: list
     return calls
 
 
+def check_pointers(tensors: tuple, pointers: tuple | None) -> None:
+    """A launch whose caller read its pointers itself (``Launcher``'s ``pointers``) passes each slot its own
+    tensor's: for the fakes that record launches instead of running them."""
+    assert pointers is None or list(pointers) == [t.data_ptr() for t in tensors]
+
+
 def forward_launches(monkeypatch, call, pick, maxnreg: bool = False) -> list:
     """``pick(constexprs, num_warps, num_stages)`` (``maxnreg``: and the launch's register cap) of every
     forward-kernel launch that ``call`` makes under ``no_grad``, the launches recorded, not run (the interpreter's
@@ -114,8 +120,10 @@ def forward_launches(monkeypatch, call, pick, maxnreg: bool = False) -> list:
     want_cap = maxnreg
 
     def record(
-        self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0, foreign=None
-    ):
+        self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0, foreign=None,
+        pointers=None,
+    ):  # fmt: skip
+        check_pointers(tensors, pointers)
         if self.kernel.__name__ == "maxsim_fwd_kernel":
             seen.append(pick(constexprs, num_warps, num_stages, *((maxnreg,) if want_cap else ())))
 

@@ -9,6 +9,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from helpers import check_pointers  # noqa: E402
+
 from maxsim.kernels import launcher  # noqa: E402
 
 
@@ -55,6 +57,18 @@ def test_second_launch_is_direct_and_passes_every_argument(fake_gpu):
     assert (grid0, grid1, grid2, stream, fn, meta, enter, exit_) == (3, 1, 1, 1234, "fn", "meta", None, None)
     # (the pointer as an integer: Triton's launcher would read it from the tensor and have the driver check it)
     assert args == [x.data_ptr(), 7, 32]
+
+
+def test_pointers_read_by_the_caller_are_passed_as_given(fake_gpu):
+    """With ``pointers``, a direct launch passes them instead of reading each tensor's (the caller read each distinct
+    tensor once); the first launch, through Triton, still gets the tensors."""
+    k = FakeKernel()
+    lc = launcher.Launcher(k)
+    x = torch.zeros(16)
+    for _ in range(2):
+        lc(3, (x,), (7,), {"BLOCK": 32}, 4, 3, {}, pointers=(4096,))
+    assert k.log[0][2] == (x, 7)
+    assert list(k.log[1][1][9:]) == [4096, 7, 32]
 
 
 @pytest.mark.parametrize(
@@ -210,8 +224,9 @@ def test_backward_plans_describe_every_call_exactly(monkeypatch):
     calls: list = []
 
     def record(
-        self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0, foreign=None
-    ):
+        self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0, foreign=None,
+        pointers=None,
+    ):  # fmt: skip
         calls.append((self.kernel.__name__, grid, tuple((t.shape, t.stride(), t.dtype) for t in tensors), ints,
                       tuple(constexprs.items()), num_warps))  # fmt: skip
 
@@ -332,8 +347,9 @@ def test_launches_name_every_caller_tensor_foreign(monkeypatch, name, args, grad
     launches: list = []
 
     def record(self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0,
-               foreign=None):  # fmt: skip
+               foreign=None, pointers=None):  # fmt: skip
         launches.append((self.kernel.__name__, tensors, plan_cache, foreign))
+        check_pointers(tensors, pointers)
 
     monkeypatch.setattr(launcher.Launcher, "__call__", record)
     monkeypatch.setattr(launch_args, "INTERPRETER", False)
@@ -474,3 +490,39 @@ def test_compiles_ask_for_fused_multiply_adds(fake_gpu):
     lc(3, (torch.zeros(16),), (7,), {"BLOCK": 32}, 4, maxnreg=96)
     ((kind, _grid, _args, kwargs),) = k.log
     assert kind == "triton" and kwargs["enable_fp_fusion"] is True and kwargs["maxnreg"] == 96
+
+
+@pytest.mark.parametrize("need_argmax", [False, True])
+@pytest.mark.parametrize(
+    "lq, nd, ld, normalize",
+    [(6, 5, 7, False), (300, 3, 40, True), (8, 1, 256, False), (8, 1, 256, True)],
+    ids=["small", "split rows, normalized", "document chunks", "document chunks, normalized"],
+)
+def test_dense_forward_reads_each_slots_own_pointer(monkeypatch, need_argmax, lq, nd, ld, normalize):
+    """A dense forward reads its distinct tensors' pointers once and fills the kernel's thirteen slots from them:
+    every slot gets its own tensor's pointer, whichever of the split rows' buffer, the chunks' row buffer, the
+    argmax and the pre-pass's norms the plan has (the fold's launch too)."""
+    from maxsim.kernels import launch_args, launch_forward
+
+    seen: list = []
+
+    def record(self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0,
+               foreign=None, pointers=None):  # fmt: skip
+        seen.append(self.kernel.__name__)
+        check_pointers(tensors, pointers)
+
+    monkeypatch.setattr(launcher.Launcher, "__call__", record)
+    monkeypatch.setattr(launch_args, "INTERPRETER", False)
+    if ld == 256:  # (the interpreter's one multiprocessor never asks for chunks)
+        monkeypatch.setattr(launch_forward, "document_chunks", lambda *args: (2, 128))
+    # (chunked documents: each query's own, whose norms a normalized forward computes in a pre-pass)
+    Q, D = torch.randn(2, lq, 16), torch.randn(2 if ld == 256 else 1, nd, ld, 16)
+    launch_forward.plans.clear()
+    for _ in range(2):  # planning, then planned
+        launch_forward.forward_keeping_norms(Q, D, None, None, normalize, need_argmax)
+    (plan,) = launch_forward.plans.values()
+    launch_forward.plans.clear()
+    assert seen.count("maxsim_fwd_kernel") == 2
+    # (each case reaches the slots it is named for)
+    assert (plan.n_rsplit > 1, plan.n_dsplit > 1) == (lq == 300, ld == 256)
+    assert plan.norms_given == normalize

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DTYPES, GRAD_TOL, triton_usable
+from helpers import DTYPES, GRAD_TOL, check_pointers, triton_usable
 
 pytest.importorskip("triton")
 
@@ -145,8 +145,10 @@ def _recorded_launches(monkeypatch) -> list:
     launches: list = []
 
     def record(
-        self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0, foreign=None
-    ):
+        self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0, foreign=None,
+        pointers=None,
+    ):  # fmt: skip
+        check_pointers(tensors, pointers)
         launches.append((self.kernel.__name__, constexprs))
 
     monkeypatch.setattr(launcher.Launcher, "__call__", record)

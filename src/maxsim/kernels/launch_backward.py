@@ -456,7 +456,13 @@ def run_backward(
         tensors = (grad, argmax, Q, D, inv_q, inv_d, dq_out, grad if gd is None else gd, *segs, q_off, q_order, d_off,
                    d_order)  # fmt: skip
         foreign = (grad, argmax, Q, D) if rg is None and not normalize else (grad, argmax, Q, D, inv_q, inv_d, *segs)
-        _bwd(grid, tensors, ints, constexprs, nw, 3, plan.launches, foreign=foreign)
+        pointers = None
+        if rg is None:  # (each distinct tensor's pointer read once: the segments and CSR slots are placeholders)
+            g, a, q = grad.data_ptr(), argmax.data_ptr(), Q.data_ptr()
+            inv = (inv_q.data_ptr(), inv_d.data_ptr()) if normalize else (g, g)
+            pointers = (g, a, q, D.data_ptr(), *inv, dq_out.data_ptr(), g if gd is None else gd.data_ptr(),
+                        q, q, q, q, g, g, g, g)  # fmt: skip
+        _bwd(grid, tensors, ints, constexprs, nw, 3, plan.launches, foreign=foreign, pointers=pointers)
     if plan.dq_splits > 1:  # (in slice order, in fp32, rounded once into dQ's dtype)
         n = dQ.numel()
         _sum_slices(cdiv(n, slices.BLOCK), (dq_out, dQ), (n, plan.dq_splits), dict(BLOCK=slices.BLOCK), 4, 3,

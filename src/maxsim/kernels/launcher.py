@@ -72,13 +72,16 @@ class Launcher:
         plan_cache: dict | None = None,
         maxnreg: int = 0,
         foreign: tuple | None = None,
+        pointers: tuple | None = None,
     ) -> None:
         """``plan_cache``: a dict owned by a caller whose launches always pass the same integers, constexprs,
         options and tensor dtypes (a launch plan); its entries are keyed by the device and the tensors' alignments
         only, which is most of the host time a launch saves. ``foreign``: with a plan cache, the tensors among
         ``tensors`` whose alignment is not known (the caller's); the others must be fresh allocations of PyTorch's
         caching allocator, whose blocks are 512-byte aligned, or repeats of foreign ones (each ``data_ptr`` read
-        costs ~0.1 µs of host time; a launch passes up to 17 pointers)."""
+        costs ~0.1 µs of host time; a launch passes up to 17 pointers). ``pointers``: the ``data_ptr()`` of each of
+        ``tensors``, read by a caller that knows which of them are one tensor passed again (unused slots hold a
+        placeholder), so that it reads each pointer once."""
         if INTERPRETER:  # (which has no registers to cap)
             self.kernel[(grid,)](*tensors, *ints, **constexprs, num_warps=num_warps, num_stages=num_stages)
             return
@@ -87,7 +90,7 @@ class Launcher:
             # Triton compiles for, and launches on, the current device; tensors on another GPU (cuda:1 while cuda:0
             # is current) would get device 0's kernel run on device 1's pointers. Rare, so a guard only here.
             with torch.cuda.device(device):
-                self(grid, tensors, ints, constexprs, num_warps, num_stages, plan_cache, maxnreg, foreign)
+                self(grid, tensors, ints, constexprs, num_warps, num_stages, plan_cache, maxnreg, foreign, pointers)
             return
         rt = self._runtime_knobs
         hooks = _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook)
@@ -124,5 +127,7 @@ class Launcher:
         run, function, metadata, values = hit
         # Pointers as integers: given a tensor, Triton's launcher reads its pointer and has the driver check it
         # (cuPointerGetAttribute), ~0.15 µs an argument on an H200's host, against ~0.08 for data_ptr() here.
+        if pointers is None:
+            pointers = [t.data_ptr() for t in tensors]
         run(grid, 1, 1, torch._C._cuda_getCurrentRawStream(device), function, metadata, None, None, None,
-            *[t.data_ptr() for t in tensors], *ints, *values)  # fmt: skip
+            *pointers, *ints, *values)  # fmt: skip
