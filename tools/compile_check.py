@@ -98,7 +98,10 @@ def specialization(kernel, tensors: tuple, ints: tuple, constexprs: dict) -> tup
     return sig, consts, attrs
 
 
-def fake_call(self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0, foreign=None):
+def fake_call(
+    self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0, foreign=None,
+    pointers=None,
+):  # fmt: skip
     kernel = self.kernel
     sig, consts, attrs = specialization(kernel, tensors, ints, constexprs)
     key = (kernel.__name__, tuple(sig.items()), tuple(constexprs.items()), num_warps, num_stages, maxnreg)
