@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from helpers import backends_for, triton_usable  # noqa: E402
+from helpers import backends_for, spy, triton_usable  # noqa: E402
 
 import maxsim  # noqa: E402
 
@@ -79,3 +79,36 @@ def backend(request, device):
 @pytest.fixture
 def available_backends(device) -> list[str]:
     return backends_for(device)
+
+
+# ---- repeated calls (tests/test_repeat_calls.py, tests/test_ragged_repeats.py) ----------------------------------
+
+
+@pytest.fixture
+def triton_only(device):
+    """Runs the test under ``maxsim.backend("triton")``; skipped where the kernels cannot run."""
+    if not triton_usable(device):
+        pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
+    with maxsim.backend("triton"):
+        yield
+
+
+@pytest.fixture
+def plan_keys(monkeypatch):
+    """Counts how often the forward builds a plan's full key (what a repeat call does without); the forward plans
+    start empty."""
+    from maxsim.kernels import launch_forward
+
+    maxsim.ops._triton_path()  # (before a first Triton call nothing is filed: the repeat keys are None)
+    monkeypatch.setattr(launch_forward, "plans", {})
+    return spy(monkeypatch, launch_forward, "plan_key")
+
+
+@pytest.fixture
+def backward_plans(monkeypatch):
+    """Counts how often a backward plan is looked up by its full key (what a repeated step does without); the
+    backward plans start empty."""
+    from maxsim.kernels import launch_backward
+
+    monkeypatch.setattr(launch_backward, "plans", {})
+    return spy(monkeypatch, launch_backward, "backward_plan_of")

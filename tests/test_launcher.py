@@ -526,3 +526,50 @@ def test_dense_forward_reads_each_slots_own_pointer(monkeypatch, need_argmax, lq
     # (each case reaches the slots it is named for)
     assert (plan.n_rsplit > 1, plan.n_dsplit > 1) == (lq == 300, ld == 256)
     assert plan.norms_given == normalize
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("layout", ["varlen", "pairs", "pairs, CSR", "padded"])
+def test_ragged_launches_read_each_slots_own_pointer(monkeypatch, layout, normalize):
+    """A mask-free ragged forward and its backward read each distinct tensor's pointer once (offsets or lengths,
+    pair ids, the pair list's CSR orders) and fill every slot from them: each slot gets its own tensor's pointer,
+    on a first (planning) and a planned call of each direction. ("CSR": the backward walks the pairs by query and by
+    document through CSR indexes, as longer pair lists do, instead of scanning the list.)"""
+    from maxsim.kernels import launch_args, launch_backward, launch_forward, launch_settings
+    from maxsim.layout import Ragged, Views
+
+    if layout == "pairs, CSR":
+        monkeypatch.setattr(launch_settings, "PAIR_SCAN_MAX_WORK", 0)
+
+    seen: list = []
+
+    def record(self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0,
+               foreign=None, pointers=None):  # fmt: skip
+        seen.append((self.kernel.__name__, pointers is not None))
+        check_pointers(tensors, pointers)
+
+    monkeypatch.setattr(launcher.Launcher, "__call__", record)
+    monkeypatch.setattr(launch_args, "INTERPRETER", False)
+    monkeypatch.setattr(launch_forward, "plans", {})
+    monkeypatch.setattr(launch_backward, "plans", {})
+    views = None
+    if layout == "padded":
+        Q, D = torch.randn(3, 6, 16), torch.randn(3, 4, 10, 16)
+        rg = Ragged(torch.tensor([6, 2, 0]), torch.tensor([[10, 3, 0, 7]] * 3), None, None, 6, 10)
+    else:
+        Q, D = torch.randn(12, 16), torch.randn(20, 16)
+        cu_q, cu_d = torch.tensor([0, 5, 8, 12]), torch.tensor([0, 7, 7, 16, 20], dtype=torch.int32)
+        listed = layout.startswith("pairs")
+        pairs = (torch.tensor([0, 2, 2, 1]), torch.tensor([3, 0, 3, 1])) if listed else (None, None)
+        rg = Ragged(cu_q, cu_d, *pairs, 5, 9)
+        views = Views((), (), (4,)) if listed else None
+    for _ in range(2):  # planning, then planned
+        scores, argmax, norms = launch_forward.forward_keeping_norms(Q, D, None, None, normalize, True, rg, views=views)
+        argmax.zero_()  # (the fake launches write nothing)
+        launch_backward.backward(torch.ones_like(scores), Q, D, argmax, normalize, True, rg, norms, views)
+    if layout == "pairs, CSR":
+        (plan,) = launch_backward.plans.values()
+        assert plan.q_csr and plan.d_csr
+    assert ("maxsim_fwd_kernel", True) in seen
+    main = [p for name, p in seen if name.startswith("maxsim_bwd") and "scatter" not in name]
+    assert main and all(main), seen

@@ -18,24 +18,6 @@ from maxsim.reference import maxsim as maxsim_reference
 from maxsim.reference import maxsim_pairs as pairs_reference
 
 
-@pytest.fixture
-def triton_only(device):
-    if not triton_usable(device):
-        pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
-    with maxsim.backend("triton"):
-        yield
-
-
-@pytest.fixture
-def plan_keys(monkeypatch):
-    """Counts how often the forward builds a plan's full key (what a repeat call does without)."""
-    from maxsim.kernels import launch_forward
-
-    ops._triton_path()  # (before a first Triton call nothing is filed: repeat_key is None)
-    monkeypatch.setattr(launch_forward, "plans", {})
-    return spy(monkeypatch, launch_forward, "plan_key")
-
-
 def _inputs(device, nq=3, nd=4, lq=5, ld=9, dim=16, dtype=torch.float16, seed=1):
     # (small integers: every path sums them exactly, so results compare bit for bit)
     Q = int_grid((nq, lq, dim), seed=seed, dtype=dtype, device=device)
@@ -383,15 +365,6 @@ def test_cpu_plain_scores_decisions(sizes, name):
 
 
 # ---- repeated training calls of the Triton path: one autograd Function over the kept plans (v118) ----------------
-
-
-@pytest.fixture
-def backward_plans(monkeypatch):
-    """Counts how often a backward plan is looked up by its full key (what a repeated step does without)."""
-    from maxsim.kernels import launch_backward
-
-    monkeypatch.setattr(launch_backward, "plans", {})
-    return spy(monkeypatch, launch_backward, "backward_plan_of")
 
 
 def _train(fn, Q, D, g=None, **kw):

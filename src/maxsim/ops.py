@@ -48,6 +48,8 @@ def _triton_path():
 # same way through :class:`_RepeatedStep`, its backward plan found without its key (v118): the small training step
 # is host time. Masks repeat on the Triton path (v119): the launch reads the caller's, whose canonical views share
 # their pointers. A mask-free training call of the PyTorch path repeats through :class:`_RepeatedCpuStep` (v121).
+# The ragged functions repeat on the Triton path (v144, :func:`ragged_repeat_key`): their signature adds the offsets',
+# lengths' and pair ids' shapes, strides, dtypes and devices and the maxima as given; a plan never reads their values.
 
 CPU_REPEATS_MAX = 256
 """Signatures of CPU calls kept for repeats; past this many, the store starts over."""
@@ -102,39 +104,85 @@ def repeat_key(
             normalize, backward, backend, f32, cpu.plain_settings() if on_cpu else None, masks)  # fmt: skip
 
 
+def ragged_repeat_key(
+    function: str, Q: object, D: object, segments: tuple, max_q: object, max_d: object, normalize: object,
+    backward: object, return_argmax: object, validate: object,
+) -> tuple | None:  # fmt: skip
+    """:func:`repeat_key` for the ragged functions of :mod:`maxsim.ragged` (``function``: the function's name), on
+    the Triton path only: ``segments`` the caller's offsets or lengths and pair ids (None, None without a pair list),
+    ``max_q``, ``max_d`` the maxima as given (a padded call's: 0, its shapes hold them). None where the call must take
+    the full path: the argmax asked for, ``validate=True`` (its checks read values) or maxima to read back (a sync
+    the signature cannot know the answer of), arguments of other types, or what :func:`repeat_key` refuses. A
+    signature holds the segments' shapes, strides, dtypes and devices, never their values (a plan never reads them)."""
+    if return_argmax is not False or not (validate is None or validate is False):
+        return None
+    if type(max_q) is not int or type(max_d) is not int:
+        return None
+    if not (isinstance(Q, Tensor) and isinstance(D, Tensor) and type(normalize) is bool and type(backward) is str):
+        return None
+    backend = get_backend()
+    if _launch is None or (Q.is_cpu and backend != "triton") or torch.compiler.is_compiling():
+        return None  # (no Triton call yet; the PyTorch path, which keeps no ragged plans; a compilation)
+    if forward_ad._current_level >= 0 or _functorch_level() is not None:
+        return None
+    q_seg, d_seg, pair_q, pair_d = segments
+    if not (isinstance(q_seg, Tensor) and isinstance(d_seg, Tensor)):
+        return None
+    if pair_q is None:
+        pairs = None
+    elif isinstance(pair_q, Tensor) and isinstance(pair_d, Tensor):
+        pairs = (pair_q.shape, pair_q.stride(), pair_q.dtype, pair_q.device, pair_d.shape, pair_d.stride(),
+                 pair_d.dtype, pair_d.device)  # fmt: skip
+    else:
+        return None
+    f32 = torch.get_float32_matmul_precision() if Q.dtype is torch.float32 else None
+    step = torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)
+    deterministic = step and (
+        backward == "deterministic" or (backward == "auto" and torch.are_deterministic_algorithms_enabled())
+    )
+    return ("step" if step else "repeat", function, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype,
+            Q.device, D.device, q_seg.shape, q_seg.stride(), q_seg.dtype, q_seg.device, d_seg.shape, d_seg.stride(),
+            d_seg.dtype, d_seg.device, pairs, max_q, max_d, normalize, backward, deterministic, backend,
+            f32)  # fmt: skip
+
+
 def run_repeat(
-    key: tuple, Q: Tensor, D: Tensor, q_mask: Tensor | None = None, d_mask: Tensor | None = None
-) -> Tensor | None:
+    key: tuple, Q: Tensor, D: Tensor, q_mask: Tensor | None = None, d_mask: Tensor | None = None,
+    rg: Ragged | None = None,
+) -> Tensor | None:  # fmt: skip
     """The scores of a repeated call (see above), or None if no earlier call filed its signature. The masks are the
-    caller's (their canonical views share their pointers)."""
+    caller's (their canonical views share their pointers); ``rg``: a ragged call's description, of the caller's
+    tensors (:func:`ragged_repeat_key`)."""
     if key[0] == "step":
         cpu_step = _cpu_repeats.get(key) if Q.is_cpu else None
         if cpu_step is not None:
             return _RepeatedCpuStep.apply(Q, D, cpu_step)
         step = None if _launch is None else _launch.step_plan(key)
         masks = None if q_mask is None and d_mask is None else (q_mask, d_mask)
-        return None if step is None else _RepeatedStep.apply(Q, D, step, masks)
+        return None if step is None else _RepeatedStep.apply(Q, D, step, masks, rg)
     run = _cpu_repeats.get(key)
     if run is not None:
         return run(Q, D)
-    return None if _launch is None else _launch.run_repeat(key, Q, D, q_mask, d_mask)
+    return None if _launch is None else _launch.run_repeat(key, Q, D, q_mask, d_mask, rg)
 
 
 def keep_repeat(
-    key: tuple, Q: Tensor, D: Tensor, normalize: bool, views: Views, deterministic: bool,
-    q_mask: Tensor | None = None, d_mask: Tensor | None = None,
+    key: tuple, Q: Tensor, D: Tensor, normalize: bool, views: Views | None, deterministic: bool,
+    q_mask: Tensor | None = None, d_mask: Tensor | None = None, rg: Ragged | None = None,
 ) -> None:  # fmt: skip
-    """After the full path of a call with signature ``key`` (:func:`repeat_key`): file its launch plan, if the
-    Triton path ran and kept one (a training call's: the forward's with the argmax, and the backward's options), or
-    the PyTorch path's one-block forward (:func:`maxsim.cpu.plain_scores`, mask-free) or mask-free training step
-    (:class:`CpuStep`). The masks are the canonical views the full path planned with."""
+    """After the full path of a call with signature ``key`` (:func:`repeat_key`, :func:`ragged_repeat_key`): file
+    its launch plan, if the Triton path ran and kept one (a training call's: the forward's with the argmax, and the
+    backward's options), or the PyTorch path's one-block forward (:func:`maxsim.cpu.plain_scores`, mask-free) or
+    mask-free training step (:class:`CpuStep`). The masks are the canonical views the full path planned with;
+    ``rg`` its ragged description, whose tensors must be the caller's as given (no contiguous copies: a repeat
+    reads the caller's)."""
     if choose_impl(Q) == "triton":
         if key[0] == "step":
-            _launch.keep_step(key, Q, D, normalize, deterministic, views, q_mask, d_mask)
+            _launch.keep_step(key, Q, D, normalize, deterministic, views, q_mask, d_mask, rg)
         else:
-            _launch.keep_repeat(key, Q, D, normalize, views, q_mask, d_mask)
+            _launch.keep_repeat(key, Q, D, normalize, views, q_mask, d_mask, rg)
         return
-    if q_mask is not None or d_mask is not None or Q.device.type != "cpu":
+    if rg is not None or q_mask is not None or d_mask is not None or Q.device.type != "cpu":
         return
     Qc, Dc = _in_views(Q, D, views)
     if key[0] == "step":
@@ -576,27 +624,29 @@ def _transformed(
 
 
 class _RepeatedStep(torch.autograd.Function):
-    """A repeated training call of the Triton path (:func:`repeat_key`): ``apply(Q, D, step, masks)`` -> the scores,
-    with ``step`` the :class:`maxsim.kernels.launch.StepPlan` an earlier call of the signature filed and ``masks``
-    None or the caller's ``(q_mask, d_mask)`` (not saved: the argmax holds what the backward needs). The same kernels as
-    :class:`_MaxSimFunction`'s, without the layers between; the argmax (and the inverse norms of ``normalize``) are
-    saved, not returned."""
+    """A repeated training call of the Triton path (:func:`repeat_key`, :func:`ragged_repeat_key`): ``apply(Q, D,
+    step, masks, rg)`` -> the scores, with ``step`` the :class:`maxsim.kernels.launch.StepPlan` an earlier call of
+    the signature filed, ``masks`` None or the caller's ``(q_mask, d_mask)`` (not saved: the argmax holds what the
+    backward needs) and ``rg`` None or the call's ragged description (kept for the backward, as the full path's
+    Function keeps it). The same kernels as :class:`_MaxSimFunction`'s, without the layers between; the argmax (and
+    the inverse norms of ``normalize``) are saved, not returned."""
 
     @staticmethod
-    def forward(ctx, Q, D, step, masks):
-        scores, argmax, norms = _launch.step_forward(step, Q, D, *(masks or (None, None)))
+    def forward(ctx, Q, D, step, masks, rg):
+        scores, argmax, norms = _launch.step_forward(step, Q, D, *(masks or (None, None)), rg)
         ctx.save_for_backward(Q, D, argmax, *(norms or ()))
         ctx.step = step
+        ctx.rg = rg
         ctx.set_materialize_grads(False)
         return scores
 
     @staticmethod
     def backward(ctx, grad_scores):
         if grad_scores is None:
-            return None, None, None, None
+            return None, None, None, None, None
         Q, D, argmax, *norms = ctx.saved_tensors
-        dQ, dD = _launch.step_backward(ctx.step, grad_scores, Q, D, argmax, tuple(norms) or None)
-        return (*_first_order_only(dQ, dD, grad_scores, Q, D), None, None)
+        dQ, dD = _launch.step_backward(ctx.step, grad_scores, Q, D, argmax, tuple(norms) or None, ctx.rg)
+        return (*_first_order_only(dQ, dD, grad_scores, Q, D), None, None, None)
 
 
 def _in_views(Q: Tensor, D: Tensor, views: Views) -> tuple[Tensor, Tensor]:

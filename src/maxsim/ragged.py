@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import ops
 from . import validate as check_arg
 from .backend import choose_impl
 from .functional import _deterministic
@@ -28,6 +29,20 @@ def _common(Q: Tensor, D: Tensor, normalize: bool, backward: str, return_argmax:
     check_arg.flag("normalize", normalize)
     check_arg.flag("return_argmax", return_argmax)
     check_arg.backward_mode(backward)
+
+
+def _run(
+    Q: Tensor, D: Tensor, normalize: bool, backward: str, rg: Ragged, return_argmax: bool, views: Views | None,
+    repeat: tuple | None, segments: tuple,
+) -> Result:  # fmt: skip
+    """The checked call through the registered op's route; with ``repeat`` (:func:`maxsim.ops.ragged_repeat_key`),
+    its plan filed for repeats after it, where ``rg`` holds the caller's ``segments`` themselves (a non-contiguous
+    offsets tensor, say, was copied: a repeat would read the caller's)."""
+    det = _deterministic(backward)
+    out = maxsim_canonical(Q, D, None, None, normalize, choose_impl(Q), det, rg, return_argmax, views)
+    if repeat is not None and all(a is b for a, b in zip(rg[:4], segments, strict=True)):
+        ops.keep_repeat(repeat, Q, D, normalize, views, det, rg=rg)
+    return out
 
 
 def _lengths_of(cu: Tensor) -> Tensor:
@@ -124,13 +139,19 @@ def maxsim_varlen(
         float32 scores (float64 for float64 inputs); empty sequences score 0 and get zero gradient.
     """
     cu_q, cu_d, max_q, max_d, check = cu_seqlens_q, cu_seqlens_d, max_seqlen_q, max_seqlen_d, validate
+    segments = (cu_q, cu_d, None, None)
+    repeat = ops.ragged_repeat_key("varlen", Q, D, segments, max_q, max_d, normalize, backward, return_argmax, check)
+    if repeat is not None:
+        scores = ops.run_repeat(repeat, Q, D, rg=Ragged(cu_q, cu_d, None, None, max_q, max_d))
+        if scores is not None:
+            return scores
     if not check_arg.packed_call(Q, D, cu_q, cu_d, None, None, max_q, max_d, normalize, backward, return_argmax, check):
         cu_q, cu_d, max_q, max_d, check = _packed_args(Q, D, cu_q, cu_d, max_q, max_d, check)
         _common(Q, D, normalize, backward, return_argmax)
     if max_q is None or max_d is None or check:
         max_q, max_d = _read_back(cu_q, cu_d, Q.shape[0], D.shape[0], None, max_q, max_d, check is not False)
     rg = Ragged(cu_q, cu_d, None, None, max_q, max_d)
-    return maxsim_canonical(Q, D, None, None, normalize, choose_impl(Q), _deterministic(backward), rg, return_argmax)
+    return _run(Q, D, normalize, backward, rg, return_argmax, None, repeat, segments)
 
 
 def maxsim_pairs_varlen(
@@ -158,6 +179,12 @@ def maxsim_pairs_varlen(
     """
     cu_q, cu_d, pq, pd = cu_seqlens_q, cu_seqlens_d, pair_q, pair_d
     max_q, max_d, check = max_seqlen_q, max_seqlen_d, validate
+    segments = (cu_q, cu_d, pq, pd)
+    repeat = ops.ragged_repeat_key("pairs", Q, D, segments, max_q, max_d, normalize, backward, return_argmax, check)
+    if repeat is not None:
+        scores = ops.run_repeat(repeat, Q, D, rg=Ragged(cu_q, cu_d, pq, pd, max_q, max_d))
+        if scores is not None:
+            return scores
     if pq is None or not check_arg.packed_call(
         Q, D, cu_q, cu_d, pq, pd, max_q, max_d, normalize, backward, return_argmax, check
     ):  # (the checks in turn, for their messages)
@@ -171,9 +198,7 @@ def maxsim_pairs_varlen(
         max_q, max_d = _read_back(cu_q, cu_d, Q.shape[0], D.shape[0], (pq, pd), max_q, max_d, check is not False)
     rg = Ragged(cu_q, cu_d, pq, pd, max_q, max_d)
     # The [1, P] grid comes back as [P].
-    views = Views((), (), (pq.shape[0],))
-    impl = choose_impl(Q)
-    return maxsim_canonical(Q, D, None, None, normalize, impl, _deterministic(backward), rg, return_argmax, views)
+    return _run(Q, D, normalize, backward, rg, return_argmax, Views((), (), (pq.shape[0],)), repeat, segments)
 
 
 def maxsim_padded(
@@ -199,6 +224,15 @@ def maxsim_padded(
 
     No copy of the documents is made, and no sync happens (unless ``validate``).
     """
+    segments = (query_lengths, doc_lengths, None, None)
+    repeat = ops.ragged_repeat_key(
+        "padded", queries, documents, segments, 0, 0, normalize, backward, return_argmax, validate
+    )  # (the maxima: the shapes, which the signature holds)
+    if repeat is not None:
+        rg = Ragged(query_lengths, doc_lengths, None, None, queries.shape[1], documents.shape[2])
+        scores = ops.run_repeat(repeat, queries, documents, rg=rg)
+        if scores is not None:
+            return scores
     check_arg.tensor("queries", queries, (3,))
     check_arg.tensor("documents", documents, (4,))
     _common(queries, documents, normalize, backward, return_argmax)
@@ -222,7 +256,4 @@ def maxsim_padded(
         if lo_d < 0 or hi_d > Ld:
             raise ValueError(f"doc_lengths: expected values in [0, {Ld}], got values in [{lo_d}, {hi_d}]")
     rg = Ragged(ql, dl, None, None, Lq, Ld)
-    impl = choose_impl(queries)
-    return maxsim_canonical(
-        queries, documents, None, None, normalize, impl, _deterministic(backward), rg, return_argmax
-    )
+    return _run(queries, documents, normalize, backward, rg, return_argmax, None, repeat, segments)

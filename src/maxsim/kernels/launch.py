@@ -12,8 +12,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..layout import Views
+from ..layout import Ragged, Views
 from . import launch_backward, launch_forward
+from .launch_args import segment_pointers
 from .launch_backward import backward, csr
 from .launch_forward import ForwardPlan, forward_keeping_norms, keep_repeat, run_repeat
 
@@ -37,11 +38,11 @@ class StepPlan:
 
 def keep_step(
     key: tuple, Q: Tensor, D: Tensor, normalize: bool, deterministic: bool, views: Views | None,
-    q_mask: Tensor | None = None, d_mask: Tensor | None = None,
+    q_mask: Tensor | None = None, d_mask: Tensor | None = None, rg: Ragged | None = None,
 ) -> None:  # fmt: skip
     """As :func:`keep_repeat`, for a training call whose forward (with the argmax) has just kept its plan: a repeat
     of the call then runs :func:`step_forward` and :func:`step_backward`."""
-    plan = launch_forward.plans.get(launch_forward.plan_key(Q, D, q_mask, d_mask, normalize, True, None, views))
+    plan = launch_forward.plans.get(launch_forward.plan_key(Q, D, q_mask, d_mask, normalize, True, rg, views))
     if plan is not None:
         launch_forward.plans[key] = StepPlan(plan, normalize, deterministic, views)
 
@@ -52,28 +53,31 @@ def step_plan(key: tuple) -> StepPlan | None:
 
 
 def step_forward(
-    step: StepPlan, Q: Tensor, D: Tensor, q_mask: Tensor | None, d_mask: Tensor | None
+    step: StepPlan, Q: Tensor, D: Tensor, q_mask: Tensor | None, d_mask: Tensor | None, rg: Ragged | None = None
 ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
     """Scores, argmax and inverse norms (as :func:`forward_keeping_norms`) of a repeated training call: the
-    forward plan's allocations and launches only (the masks as in :func:`run_repeat`)."""
-    return launch_forward.run_forward(step.forward, Q, D, q_mask, d_mask, (Q, Q, Q, Q), True)
+    forward plan's allocations and launches only (the masks and ``rg`` as in :func:`run_repeat`)."""
+    segs = (Q, Q, Q, Q) if rg is None else segment_pointers(Q, rg)
+    return launch_forward.run_forward(step.forward, Q, D, q_mask, d_mask, segs, True)
 
 
 def step_backward(
-    step: StepPlan, grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, norms: tuple[Tensor, Tensor] | None
-) -> tuple[Tensor, Tensor]:
-    """:func:`backward` after :func:`step_forward`: the backward plan of these gradient strides by the key an earlier
-    step built for them (``grad`` fp32; else the full :func:`backward`)."""
+    step: StepPlan, grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, norms: tuple[Tensor, Tensor] | None,
+    rg: Ragged | None = None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """:func:`backward` after :func:`step_forward` (``rg``: the forward's): the backward plan of these gradient
+    strides by the key an earlier step built for them (``grad`` fp32; else the full :func:`backward`)."""
     if grad.dtype != torch.float32:
-        return backward(grad, Q, D, argmax, step.normalize, step.deterministic, None, norms, step.views)
+        return backward(grad, Q, D, argmax, step.normalize, step.deterministic, rg, norms, step.views)
     strides = grad.stride()
     key = step.backward_keys.get(strides)
     plan = None if key is None else launch_backward.plans.get(key)
     if plan is None:
-        # (Q and D are last-dim contiguous, as the forward files no plan for others, and the problem is not empty)
-        key, plan = launch_backward.backward_plan_of(grad, Q, D, step.normalize, step.deterministic, None, step.views)
+        # (Q and D are last-dim contiguous, as the forward files no plan for others, and the problem is not empty;
+        # a ragged signature's plans hold its segments' shapes and maxima, which a step's key holds too)
+        key, plan = launch_backward.backward_plan_of(grad, Q, D, step.normalize, step.deterministic, rg, step.views)
         step.backward_keys[strides] = key
-    return launch_backward.run_backward(plan, grad, Q, D, argmax, step.normalize, None, norms)
+    return launch_backward.run_backward(plan, grad, Q, D, argmax, step.normalize, rg, norms)
 
 
 def forward(*args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:

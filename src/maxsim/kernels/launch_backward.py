@@ -456,12 +456,17 @@ def run_backward(
         tensors = (grad, argmax, Q, D, inv_q, inv_d, dq_out, grad if gd is None else gd, *segs, q_off, q_order, d_off,
                    d_order)  # fmt: skip
         foreign = (grad, argmax, Q, D) if rg is None and not normalize else (grad, argmax, Q, D, inv_q, inv_d, *segs)
-        pointers = None
-        if rg is None:  # (each distinct tensor's pointer read once: the segments and CSR slots are placeholders)
-            g, a, q = grad.data_ptr(), argmax.data_ptr(), Q.data_ptr()
-            inv = (inv_q.data_ptr(), inv_d.data_ptr()) if normalize else (g, g)
-            pointers = (g, a, q, D.data_ptr(), *inv, dq_out.data_ptr(), g if gd is None else gd.data_ptr(),
-                        q, q, q, q, g, g, g, g)  # fmt: skip
+        # (each distinct tensor's pointer read once: unused segment slots hold Q, unused CSR slots the gradient)
+        g, a, q = grad.data_ptr(), argmax.data_ptr(), Q.data_ptr()
+        inv = (inv_q.data_ptr(), inv_d.data_ptr()) if normalize else (g, g)
+        if rg is None:
+            seg_ptrs = (q, q, q, q, g, g, g, g)
+        else:
+            seg_ptrs = (
+                *[q if x is Q else x.data_ptr() for x in segs],
+                *[g if x is grad else x.data_ptr() for x in (q_off, q_order, d_off, d_order)],
+            )
+        pointers = (g, a, q, D.data_ptr(), *inv, dq_out.data_ptr(), g if gd is None else gd.data_ptr(), *seg_ptrs)
         _bwd(grid, tensors, ints, constexprs, nw, 3, plan.launches, foreign=foreign, pointers=pointers)
     if plan.dq_splits > 1:  # (in slice order, in fp32, rounded once into dQ's dtype)
         n = dQ.numel()

@@ -138,27 +138,29 @@ def plan_key(
 
 def keep_repeat(
     key: tuple, Q: Tensor, D: Tensor, normalize: bool, views: Views | None, q_mask: Tensor | None = None,
-    d_mask: Tensor | None = None,
+    d_mask: Tensor | None = None, rg: Ragged | None = None,
 ) -> None:  # fmt: skip
     """File the plan that a scores-only forward of ``Q``, ``D`` (the caller's tensors, read through ``views``; the
-    masks as canonical views) has just kept under ``key`` as well: a repeat of the call (see :func:`run_repeat`)
-    then finds it without building the plan's key. Repeat entries live among the plans, so whatever clears the plans
-    (a change of the module settings must) clears them too."""
-    plan = plans.get(plan_key(Q, D, q_mask, d_mask, normalize, False, None, views))
+    masks as canonical views; ``rg`` the ragged description it planned with) has just kept under ``key`` as well: a
+    repeat of the call (see :func:`run_repeat`) then finds it without building the plan's key. Repeat entries live
+    among the plans, so whatever clears the plans (a change of the module settings must) clears them too."""
+    plan = plans.get(plan_key(Q, D, q_mask, d_mask, normalize, False, rg, views))
     if plan is not None:
         plans[key] = plan
 
 
 def run_repeat(
-    key: tuple, Q: Tensor, D: Tensor, q_mask: Tensor | None = None, d_mask: Tensor | None = None
-) -> Tensor | None:
+    key: tuple, Q: Tensor, D: Tensor, q_mask: Tensor | None = None, d_mask: Tensor | None = None,
+    rg: Ragged | None = None,
+) -> Tensor | None:  # fmt: skip
     """Scores of a call filed by :func:`keep_repeat` under ``key`` (None if there is no such entry): its
     allocations and launches only. The masks may be the caller's: a launch reads their pointers, which their
-    canonical views share, and the signature holds their strides."""
+    canonical views share, and the signature holds their strides. ``rg``: this call's ragged description (its
+    offsets, lengths and pair ids are read on the device; the signature holds their shapes and the maxima)."""
     plan = plans.get(key)
     if plan is None:
         return None
-    return run_forward(plan, Q, D, q_mask, d_mask, (Q, Q, Q, Q), False)[0]
+    return run_forward(plan, Q, D, q_mask, d_mask, (Q, Q, Q, Q) if rg is None else segment_pointers(Q, rg), False)[0]
 
 
 def forward_keeping_norms(
@@ -471,16 +473,21 @@ def once_read_scan(
     return "stream" if lo <= l2s <= hi else None
 
 
-def _dense_pointers(
-    Q: Tensor, D: Tensor, scores: Tensor, out: Tensor, arg: Tensor, norms: tuple[Tensor, Tensor] | None, rows: Tensor
-) -> tuple[int, ...]:
-    """The pointers of :func:`run_forward`'s ``tensors`` for a problem without masks or segments, each distinct
-    tensor's read once: eight of the thirteen slots are then ``Q`` or ``D`` again, and up to three more the scores
-    (host_stub's tiny inference: 15 ``data_ptr`` reads a launch become 5 with the plan cache's two)."""
+def _unmasked_pointers(
+    Q: Tensor, D: Tensor, segs: tuple, scores: Tensor, out: Tensor, arg: Tensor, norms: tuple[Tensor, Tensor] | None,
+    rows: Tensor,
+) -> tuple[int, ...]:  # fmt: skip
+    """The pointers of :func:`run_forward`'s ``tensors`` for a problem without masks, each distinct tensor's read
+    once: the mask slots are ``Q`` again, so are the segment slots that a layout does not use (all four for a dense
+    problem), and up to three more slots the scores (host_stub's tiny inference: 15 ``data_ptr`` reads a launch
+    become 5 with the plan cache's two)."""
     q, d, s = Q.data_ptr(), D.data_ptr(), scores.data_ptr()
     inv = (q, d) if norms is None else (norms[0].data_ptr(), norms[1].data_ptr())
+    q_seg, d_seg, pair_q, pair_d = segs
     return (
-        q, d, q, q, q, q, q, q,
+        q, d, q, q,
+        q if q_seg is Q else q_seg.data_ptr(), q if d_seg is Q else d_seg.data_ptr(),
+        q if pair_q is Q else pair_q.data_ptr(), q if pair_d is Q else pair_d.data_ptr(),
         s if out is scores else out.data_ptr(), s if arg is scores else arg.data_ptr(),
         *inv,
         s if rows is scores else rows.data_ptr(),
@@ -507,9 +514,13 @@ def run_forward(
     # (chunked documents: each chunk's row maxima, then their tokens, in one allocation; see doc_chunks)
     rows = torch.empty(plan.combine[1], dtype=torch.float32, device=device) if n_dsplit > 1 else scores
     tensors = (Q, D, qm, dm, *segs, out, arg, *(norms or (Q, D)), rows)  # (Q, D, scores: unused pointers)
-    dense = q_mask is None and d_mask is None and segs[0] is segs[1] is segs[2] is segs[3] is Q
-    foreign = (Q, D) if dense else (Q, D, qm, dm, *segs)
-    pointers = _dense_pointers(Q, D, scores, out, arg, norms, rows) if dense else None
+    pointers = foreign = None
+    if q_mask is None and d_mask is None:
+        # (a plan's launches always pass one of these compositions: its key holds the masks and the segments)
+        foreign = (Q, D) if segs[0] is segs[1] is segs[2] is segs[3] is Q else (Q, D, *segs)
+        pointers = _unmasked_pointers(Q, D, segs, scores, out, arg, norms, rows)
+    else:
+        foreign = (Q, D, qm, dm, *segs)
     _fwd(
         plan.grid,
         tensors,
