@@ -212,6 +212,8 @@ def test_a_repeated_ragged_signature_still_checks_its_arguments(function, triton
     else:
         with pytest.raises(TypeError, match="doc_lengths"):
             LIB[function](*args[:3], args[3].float(), **kw)
+        with pytest.raises(ValueError, match="documents"):
+            LIB[function](args[0], args[1][0, 0], *args[2:], **kw)
 
 
 @pytest.mark.parametrize("function", FUNCTIONS)

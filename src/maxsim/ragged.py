@@ -31,6 +31,23 @@ def _common(Q: Tensor, D: Tensor, normalize: bool, backward: str, return_argmax:
     check_arg.backward_mode(backward)
 
 
+def _repeat(
+    function: str, Q: object, D: object, segments: tuple, maxima: tuple | None, normalize: object, backward: object,
+    return_argmax: object, validate: object,
+) -> tuple[tuple | None, Tensor | None]:  # fmt: skip
+    """``(signature, scores)`` of a call of ``function`` (:func:`maxsim.ops.ragged_repeat_key`, before any check):
+    the scores where an earlier call filed the signature, else None (and a None signature where the call is not one
+    to repeat). ``maxima``: as given; None for a padded call, whose shapes hold them."""
+    given = (0, 0) if maxima is None else maxima
+    key = ops.ragged_repeat_key(function, Q, D, segments, *given, normalize, backward, return_argmax, validate)
+    if key is None:
+        return None, None
+    if maxima is None and (Q.dim() != 3 or D.dim() != 4):
+        return None, None  # (no maxima to read off these shapes: the checks say what is wrong)
+    rg = Ragged(*segments, *((Q.shape[1], D.shape[2]) if maxima is None else maxima))
+    return key, ops.run_repeat(key, Q, D, rg=rg)
+
+
 def _run(
     Q: Tensor, D: Tensor, normalize: bool, backward: str, rg: Ragged, return_argmax: bool, views: Views | None,
     repeat: tuple | None, segments: tuple,
@@ -140,11 +157,9 @@ def maxsim_varlen(
     """
     cu_q, cu_d, max_q, max_d, check = cu_seqlens_q, cu_seqlens_d, max_seqlen_q, max_seqlen_d, validate
     segments = (cu_q, cu_d, None, None)
-    repeat = ops.ragged_repeat_key("varlen", Q, D, segments, max_q, max_d, normalize, backward, return_argmax, check)
-    if repeat is not None:
-        scores = ops.run_repeat(repeat, Q, D, rg=Ragged(cu_q, cu_d, None, None, max_q, max_d))
-        if scores is not None:
-            return scores
+    repeat, scores = _repeat("varlen", Q, D, segments, (max_q, max_d), normalize, backward, return_argmax, check)
+    if scores is not None:
+        return scores
     if not check_arg.packed_call(Q, D, cu_q, cu_d, None, None, max_q, max_d, normalize, backward, return_argmax, check):
         cu_q, cu_d, max_q, max_d, check = _packed_args(Q, D, cu_q, cu_d, max_q, max_d, check)
         _common(Q, D, normalize, backward, return_argmax)
@@ -180,11 +195,9 @@ def maxsim_pairs_varlen(
     cu_q, cu_d, pq, pd = cu_seqlens_q, cu_seqlens_d, pair_q, pair_d
     max_q, max_d, check = max_seqlen_q, max_seqlen_d, validate
     segments = (cu_q, cu_d, pq, pd)
-    repeat = ops.ragged_repeat_key("pairs", Q, D, segments, max_q, max_d, normalize, backward, return_argmax, check)
-    if repeat is not None:
-        scores = ops.run_repeat(repeat, Q, D, rg=Ragged(cu_q, cu_d, pq, pd, max_q, max_d))
-        if scores is not None:
-            return scores
+    repeat, scores = _repeat("pairs", Q, D, segments, (max_q, max_d), normalize, backward, return_argmax, check)
+    if scores is not None:
+        return scores
     if pq is None or not check_arg.packed_call(
         Q, D, cu_q, cu_d, pq, pd, max_q, max_d, normalize, backward, return_argmax, check
     ):  # (the checks in turn, for their messages)
@@ -225,14 +238,9 @@ def maxsim_padded(
     No copy of the documents is made, and no sync happens (unless ``validate``).
     """
     segments = (query_lengths, doc_lengths, None, None)
-    repeat = ops.ragged_repeat_key(
-        "padded", queries, documents, segments, 0, 0, normalize, backward, return_argmax, validate
-    )  # (the maxima: the shapes, which the signature holds)
-    if repeat is not None:
-        rg = Ragged(query_lengths, doc_lengths, None, None, queries.shape[1], documents.shape[2])
-        scores = ops.run_repeat(repeat, queries, documents, rg=rg)
-        if scores is not None:
-            return scores
+    repeat, scores = _repeat("padded", queries, documents, segments, None, normalize, backward, return_argmax, validate)
+    if scores is not None:
+        return scores
     check_arg.tensor("queries", queries, (3,))
     check_arg.tensor("documents", documents, (4,))
     _common(queries, documents, normalize, backward, return_argmax)
