@@ -158,8 +158,11 @@ def run_repeat(
         if cpu_step is not None:
             return _RepeatedCpuStep.apply(Q, D, cpu_step)
         step = None if _launch is None else _launch.step_plan(key)
-        masks = None if q_mask is None and d_mask is None else (q_mask, d_mask)
-        return None if step is None else _RepeatedStep.apply(Q, D, step, masks, rg)
+        if step is None:
+            return None
+        # (one argument for what autograd need not look at: each argument of apply costs host time)
+        extras = None if q_mask is None and d_mask is None and rg is None else ((q_mask, d_mask), rg)
+        return _RepeatedStep.apply(Q, D, step, extras)
     run = _cpu_repeats.get(key)
     if run is not None:
         return run(Q, D)
@@ -625,15 +628,16 @@ def _transformed(
 
 class _RepeatedStep(torch.autograd.Function):
     """A repeated training call of the Triton path (:func:`repeat_key`, :func:`ragged_repeat_key`): ``apply(Q, D,
-    step, masks, rg)`` -> the scores, with ``step`` the :class:`maxsim.kernels.launch.StepPlan` an earlier call of
-    the signature filed, ``masks`` None or the caller's ``(q_mask, d_mask)`` (not saved: the argmax holds what the
-    backward needs) and ``rg`` None or the call's ragged description (kept for the backward, as the full path's
-    Function keeps it). The same kernels as :class:`_MaxSimFunction`'s, without the layers between; the argmax (and
-    the inverse norms of ``normalize``) are saved, not returned."""
+    step, extras)`` -> the scores, with ``step`` the :class:`maxsim.kernels.launch.StepPlan` an earlier call of the
+    signature filed and ``extras`` None (no masks, a dense layout) or ``((q_mask, d_mask), rg)``: the caller's masks
+    (not saved: the argmax holds what the backward needs) and the call's ragged description or None (kept for the
+    backward, as the full path's Function keeps it). The same kernels as :class:`_MaxSimFunction`'s, without the
+    layers between; the argmax (and the inverse norms of ``normalize``) are saved, not returned."""
 
     @staticmethod
-    def forward(ctx, Q, D, step, masks, rg):
-        scores, argmax, norms = _launch.step_forward(step, Q, D, *(masks or (None, None)), rg)
+    def forward(ctx, Q, D, step, extras):
+        (q_mask, d_mask), rg = extras or ((None, None), None)
+        scores, argmax, norms = _launch.step_forward(step, Q, D, q_mask, d_mask, rg)
         ctx.save_for_backward(Q, D, argmax, *(norms or ()))
         ctx.step = step
         ctx.rg = rg
@@ -643,10 +647,10 @@ class _RepeatedStep(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_scores):
         if grad_scores is None:
-            return None, None, None, None, None
+            return None, None, None, None
         Q, D, argmax, *norms = ctx.saved_tensors
         dQ, dD = _launch.step_backward(ctx.step, grad_scores, Q, D, argmax, tuple(norms) or None, ctx.rg)
-        return (*_first_order_only(dQ, dD, grad_scores, Q, D), None, None, None)
+        return (*_first_order_only(dQ, dD, grad_scores, Q, D), None, None)
 
 
 def _in_views(Q: Tensor, D: Tensor, views: Views) -> tuple[Tensor, Tensor]:
