@@ -83,8 +83,10 @@ def _train(function: str, args: tuple, kw: dict, g: torch.Tensor, **options):
     return s, dQ, dD
 
 
-@pytest.mark.parametrize("backward", ["fast", "deterministic"])
-@pytest.mark.parametrize("function", FUNCTIONS)
+# (the backward options whose plans differ at these sizes: a pair list's and a padded call's are one plan)
+@pytest.mark.parametrize(
+    "function, backward", [("varlen", "fast"), ("varlen", "deterministic"), ("pairs", "auto"), ("padded", "auto")]
+)
 def test_repeated_ragged_steps_train_as_the_reference(function, backward, triton_only, plan_keys, backward_plans,
                                                       device):  # fmt: skip
     """The second step of a signature builds no forward key, the third no backward key either (the step holds it);
@@ -113,6 +115,8 @@ def test_a_repeated_normalized_ragged_call_scores_as_the_full_path(function, tri
         with torch.no_grad():
             repeated = LIB[function](*args, **kw, normalize=True)
         step = _train(function, args, kw, g, normalize=True)
+        if i == 0:
+            continue  # (the calls that file the signatures)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(ops, "ragged_repeat_key", lambda *a: None)
             with torch.no_grad():
@@ -143,8 +147,6 @@ def _changed(change: str, function: str, device):
         kw["return_argmax"] = True
     elif change == "index dtype":
         args = list(_call_args(function, 1, device, index_dtype=torch.int64)[0])
-    elif change == "token dtype":
-        args = list(_call_args(function, 1, device, dtype=torch.float32)[0])
     elif change == "fewer pairs":
         if function != "pairs":
             return None
@@ -160,8 +162,7 @@ def _changed(change: str, function: str, device):
     return tuple(args), kw
 
 
-CHANGES = ["maxima", "maxima omitted", "validate", "argmax", "index dtype", "token dtype", "fewer pairs", "more rows",
-           "strided ids"]  # fmt: skip
+CHANGES = ["maxima", "maxima omitted", "validate", "argmax", "index dtype", "fewer pairs", "more rows", "strided ids"]
 
 
 @pytest.mark.parametrize("change", CHANGES)
