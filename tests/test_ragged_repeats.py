@@ -258,3 +258,56 @@ def test_ragged_calls_of_the_pytorch_path_are_never_kept(device, monkeypatch):
                 torch.testing.assert_close(LIB[function](*args, **kw), want, rtol=0, atol=0)
     assert launch_forward.plans == {}
     assert ops._cpu_repeats == {}
+
+
+# ---- batches of other token totals (v145): packed rows enter plans by their specialization class -----------------
+
+# Lengths within the maxima; token totals 12/20, 15/23, 18/39: none a multiple of 16 (one class), each larger than
+# the last (a launch given a stale count would see valid offsets past its rows and score NaN).
+BATCHES = [((5, 3, 4), (7, 0, 9, 4)), ((5, 6, 4), (7, 2, 9, 5)), ((6, 6, 6), (10, 10, 9, 10))]
+OTHER_CLASS = ((5, 3, 4), (8, 8, 8, 8))  # (32 document rows: divisible by 16)
+
+
+def _batch(function: str, lengths: tuple, seed: int, device) -> tuple:
+    lq, ld = lengths
+    Q = int_grid((sum(lq), 16), seed=seed, dtype=torch.float16, device=device)
+    D = int_grid((sum(ld), 16), seed=seed + 1, dtype=torch.float16, device=device)
+    cu_q, cu_d = _offsets(lq, torch.int32, device), _offsets(ld, torch.int32, device)
+    if function == "varlen":
+        return Q, D, cu_q, cu_d
+    return (Q, D, cu_q, cu_d, *(torch.tensor(p, dtype=torch.int32, device=device) for p in PAIRS[0]))
+
+
+@pytest.mark.parametrize(
+    "function, mode", [("pairs", "scores"), ("pairs", "step"), ("varlen", "step"), ("varlen", "scores")]
+)
+def test_batches_of_other_token_totals_share_the_plans(function, mode, triton_only, plan_keys, backward_plans,
+                                                       device):  # fmt: skip
+    """A pair list's calls and a training step's repeat across batches whose packed token totals differ (one plan
+    forward, one backward, each launch passed its call's counts); a scores-only cross product, whose plan reads the
+    documents' bytes, plans each total; a total of another class plans anew. Every result the reference's, exactly."""
+    from maxsim.kernels import launch_backward
+
+    kw = dict(max_seqlen_q=MAX_Q, max_seqlen_d=MAX_D)
+    shares = not (function == "varlen" and mode == "scores")
+    for i, lengths in enumerate([*BATCHES, OTHER_CLASS]):
+        args = _batch(function, lengths, seed=40 + i, device=device)
+        n = len(plan_keys)
+        if mode == "scores":
+            with torch.no_grad():
+                got = (LIB[function](*args, **kw),)
+            want = (_reference(function, args),)
+        else:
+            Qr, Dr = (x.double().requires_grad_() for x in args[:2])
+            want_s = _reference(function, (Qr, Dr, *args[2:]))
+            g = int_grid(want_s.shape, seed=i, device=device)
+            want = (want_s, *torch.autograd.grad(want_s, (Qr, Dr), g.double()))
+            got = _train(function, args, kw, g)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a.double(), b.double(), rtol=0, atol=0, msg=lambda m, i=i: f"batch {i}: {m}")
+        if i == 0:
+            continue
+        repeated = shares and i < len(BATCHES)
+        assert (len(plan_keys) == n) == repeated, f"batch {i}: {len(plan_keys) - n} plan keys built"
+    if mode == "step":
+        assert len(launch_backward.plans) == (2 if shares else len(BATCHES) + 1)

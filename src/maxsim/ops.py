@@ -50,6 +50,8 @@ def _triton_path():
 # their pointers. A mask-free training call of the PyTorch path repeats through :class:`_RepeatedCpuStep` (v121).
 # The ragged functions repeat on the Triton path (v144, :func:`ragged_repeat_key`): their signature adds the offsets',
 # lengths' and pair ids' shapes, strides, dtypes and devices and the maxima as given; a plan never reads their values.
+# Packed token rows enter plans and signatures by their specialization class, not their count, wherever no decision
+# reads the count (v145, :func:`maxsim.kernels.launch_args.rows_class`): batches of other token totals share them.
 
 CPU_REPEATS_MAX = 256
 """Signatures of CPU calls kept for repeats; past this many, the store starts over."""
@@ -113,7 +115,9 @@ def ragged_repeat_key(
     ``max_q``, ``max_d`` the maxima as given (a padded call's: 0, its shapes hold them). None where the call must take
     the full path: the argmax asked for, ``validate=True`` (its checks read values) or maxima to read back (a sync
     the signature cannot know the answer of), arguments of other types, or what :func:`repeat_key` refuses. A
-    signature holds the segments' shapes, strides, dtypes and devices, never their values (a plan never reads them)."""
+    signature holds the segments' shapes, strides, dtypes and devices, never their values (a plan never reads them),
+    and, for a training step or a pair list, the packed tokens' row counts by their class
+    (:func:`maxsim.kernels.launch_args.rows_class`), as their plans do."""
     if return_argmax is not False or not (validate is None or validate is False):
         return None
     if type(max_q) is not int or type(max_d) is not int:
@@ -140,7 +144,12 @@ def ragged_repeat_key(
     deterministic = step and (
         backward == "deterministic" or (backward == "auto" and torch.are_deterministic_algorithms_enabled())
     )
-    return ("step" if step else "repeat", function, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype,
+    q_shape, d_shape = Q.shape, D.shape
+    if function != "padded" and (step or pair_q is not None):
+        # (packed rows by their class, as the plans hold them: a training loop's batches, whose token totals
+        # differ, repeat one signature; a scores-only cross product's plan reads the documents' bytes)
+        q_shape, d_shape = _launch.shape_key(Q, Q.dim() == 2), _launch.shape_key(D, D.dim() == 2)
+    return ("step" if step else "repeat", function, q_shape, Q.stride(), d_shape, D.stride(), Q.dtype, D.dtype,
             Q.device, D.device, q_seg.shape, q_seg.stride(), q_seg.dtype, q_seg.device, d_seg.shape, d_seg.stride(),
             d_seg.dtype, d_seg.device, pairs, max_q, max_d, normalize, backward, deterministic, backend,
             f32)  # fmt: skip

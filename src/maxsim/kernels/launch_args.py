@@ -72,6 +72,36 @@ def ragged_plan_key(rg: Ragged | None) -> tuple | None:
     )
 
 
+def rows_class(x: Tensor) -> tuple:
+    """What Triton specializes a launch's integers derived from a packed tensor's row count on (the count and the
+    tensor's elements: a value of 1, divisibility by 16, the 32-bit range): the plans of packed layouts hold this
+    instead of the count, so the batches of a training loop, whose token totals differ, share their plans and the
+    launcher's compiled variants, each call passing its own counts (:func:`with_rows`)."""
+    n, e = x.shape[0], x.numel()
+    return ("rows", n == 1, n % 16 == 0, e == 1, e % 16 == 0, e < 2**31)
+
+
+def with_rows(ints: tuple, at: int, packed: tuple[bool, bool], Q: Tensor, D: Tensor) -> tuple:
+    """``ints`` with this call's packed row counts: ``ints[at]`` is the queries' (``packed[0]``: Q is packed) and
+    ``ints[at + 2]`` the documents' (``packed[1]``), as :class:`Segs`' ``rows_q`` and ``rows_d`` follow ``n_q`` and
+    ``n_d``."""
+    q_rows = Q.shape[0] if packed[0] else ints[at]
+    d_rows = D.shape[0] if packed[1] else ints[at + 2]
+    return (*ints[:at], q_rows, ints[at + 1], d_rows, *ints[at + 3 :])
+
+
+def shape_key(x: Tensor, packed: bool) -> tuple:
+    """``x``'s shape as a plan key holds it: a packed tensor's row count by its :func:`rows_class`."""
+    return (rows_class(x), *x.shape[1:]) if packed else tuple(x.shape)
+
+
+def packed_sides(Q: Tensor, D: Tensor, rg: Ragged | None) -> tuple[bool, bool]:
+    """Whether ``Q`` and ``D`` are packed token rows (``[rows, dim]`` with offsets) under ``rg``."""
+    if rg is None:
+        return False, False
+    return rg.q_seg is not None and Q.dim() == 2, rg.d_seg is not None and D.dim() == 2
+
+
 def segment_pointers(Q: Tensor, rg: Ragged | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The kernels' four segment pointers (:class:`Segs`' ``qseg, dseg, pq, pd``) without the rest of it: what a
     call on a cached plan needs."""

@@ -29,11 +29,14 @@ from .launch_args import (
     document_strides,
     dot_precision,
     last_dim_contiguous,
+    packed_sides,
     query_strides,
     ragged_plan_key,
     segment_pointers,
     segments_of,
+    shape_key,
     upcast,
+    with_rows,
 )
 from .launcher import Launcher
 from .sizes import cdiv
@@ -46,6 +49,9 @@ _dd_gather = Launcher(dd_gather.dd_gather_kernel)
 _sum_slices = Launcher(slices.sum_slices_kernel)
 _cast_clear = Launcher(dd_chunks.cast_clear_kernel)
 _FUSED_CAST_BLOCK = dd_chunks.FUSED_BLOCK  # (dd_chunks is also a plan's name below)
+# Where the packed queries' row count is among the integers of the main launch and of the scatter launches (the
+# documents' two on; the main launch's Q.numel() third from its end): see launch_args.with_rows.
+MAIN_ROWS_AT, SCATTER_ROWS_AT = 9, 6
 
 
 def csr(ids: Tensor, n: int) -> tuple[Tensor, Tensor]:
@@ -90,6 +96,7 @@ class BackwardPlan(NamedTuple):
     d_csr: bool
     n_docs: int
     main: tuple  # (grid, ints, constexprs) of the maxsim_bwd_kernel launch: the dQ gather and/or the owned dD
+    packed: tuple[bool, bool]  # Q, D packed rows: their counts (and Q's elements) in the ints are each call's
     dq_sc: tuple | None  # the scatter launches (dQ of a long pair list, dD of a large fast cross product)
     dd_sc: tuple | None  # (None with the owner, or with the atomics in the main launch: FUSED_SCATTER)
     dd_chunks: tuple  # chunks of the atomics (see dd_chunks.chunk_plan; empty: all at once)
@@ -284,12 +291,15 @@ def _backward_plan(
              ONE_TQ=Lq <= cfg.TQ,  # (TQ follows Lq up to 64 tokens: one more variant for longer queries, once)
              REG_SEL=n_dd > 0 and register_selector(doc_walk, normalize, cfg, Q.dtype)),
     )  # fmt: skip
+    assert main[1][MAIN_ROWS_AT - 1 : MAIN_ROWS_AT + 3] == seg_args and main[1][-3] == Q.numel()  # (with_rows)
+    assert all(sc is None or sc[1][SCATTER_ROWS_AT - 1 : SCATTER_ROWS_AT + 3] == seg_args for sc in (dq_sc, dd_sc))
     return BackwardPlan(
         grad_contiguous, dq_scatter, dq_splits,
         torch.float32 if dq_scatter or (normalize and dq_splits > 1) else Q.dtype,
         sg.pairs and not scan_q and not dq_scatter, n_queries,
         dd_owned, D.dtype if direct_d else torch.float32, sg.pairs and dd_owned and not scan_d, n_docs,
-        main, dq_sc, dd_sc, dd_chunks, dd_tail, fused_sc, steps, [{} for _ in steps],
+        main, (sg.q_kind == OFFSETS, sg.d_kind == OFFSETS), dq_sc, dd_sc, dd_chunks, dd_tail, fused_sc, steps,
+        [{} for _ in steps],
         direct_d, dd_sorted, project_q,
         project_d or (normalize and sorted_dd), cfg.num_warps, {}, {},
     )  # fmt: skip
@@ -392,8 +402,10 @@ def backward_plan_of(
 ) -> tuple[tuple, BackwardPlan | None]:  # fmt: skip
     """The key and the backward plan of these arguments (:func:`backward`'s, ``grad`` fp32 and ``Q``, ``D`` last-dim
     contiguous), the plan made and filed on the first call of a key; None for a problem without work."""
+    packed = packed_sides(Q, D, rg)  # (packed rows by their class: nothing the plan decides reads their count)
     key = (
-        Q.device, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype, grad.shape, grad.stride(), views,
+        Q.device, shape_key(Q, packed[0]), Q.stride(), shape_key(D, packed[1]), D.stride(), Q.dtype, D.dtype,
+        grad.shape, grad.stride(), views,
         normalize, deterministic, torch.get_float32_matmul_precision() if Q.dtype == torch.float32 else None,
         ragged_plan_key(rg), settings.PAIR_SCAN_MAX_WORK, settings.DQ_SPLIT_MIN_K, settings.DQ_SPLIT_MIN_PAIRS,
         settings.DQ_SPLIT_PROGRAMS_PER_SM, settings.SHARED_OWNER_MAX_WORK, settings.SHARED_OWNER_MAX_ROWS,
@@ -415,6 +427,17 @@ def backward_plan_of(
     return key, plan
 
 
+def _ints_of(launch: tuple, plan: BackwardPlan, Q: Tensor, D: Tensor, at: int) -> tuple:
+    """The integers of one of ``plan``'s launches (``(grid, ints, constexprs)``, its packed row counts at ``at``)
+    for this call's ``Q`` and ``D``: a plan of packed rows serves every count of their class (plan keys hold
+    :func:`~.launch_args.rows_class`)."""
+    ints = launch[1]
+    if plan.packed == (False, False):
+        return ints
+    ints = with_rows(ints, at, plan.packed, Q, D)
+    return (*ints[:-3], Q.numel(), *ints[-2:]) if at == MAIN_ROWS_AT else ints
+
+
 def run_backward(
     plan: BackwardPlan, grad: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, normalize: bool, rg: Ragged | None,
     norms: tuple[Tensor, Tensor] | None,
@@ -430,7 +453,8 @@ def run_backward(
     nw = plan.num_warps
     if plan.dq_scatter:
         dQ = torch.zeros(Q.shape, dtype=torch.float32, device=Q.device)
-        grid, ints, constexprs = plan.dq_sc
+        grid, _ints, constexprs = plan.dq_sc
+        ints = _ints_of(plan.dq_sc, plan, Q, D, SCATTER_ROWS_AT)
         _bwd_scatter(grid, (grad, argmax, dQ, D, inv_d, *segs, grad, grad), ints, constexprs, nw)
     else:
         dQ = torch.empty(Q.shape, dtype=plan.dq_dtype, device=Q.device)
@@ -450,7 +474,8 @@ def run_backward(
         gd = torch.zeros(D.shape, dtype=torch.float32, device=D.device) if plan.dd_sc is None else None
     q_off, q_order = csr(rg.pair_q, plan.n_queries) if plan.q_csr else (grad, grad)  # (else unused)
     d_off, d_order = csr(rg.pair_d, plan.n_docs) if plan.d_csr else (grad, grad)
-    grid, ints, constexprs = plan.main
+    grid, _ints, constexprs = plan.main
+    ints = _ints_of(plan.main, plan, Q, D, MAIN_ROWS_AT)
     tensors = None
     if grid:
         tensors = (grad, argmax, Q, D, inv_q, inv_d, dq_out, grad if gd is None else gd, *segs, q_off, q_order, d_off,
@@ -480,7 +505,8 @@ def run_backward(
         # (after the gather, whose argmax reads are still in L2 for the scatter: H100, 256x256 Ld300 training step
         # 1.079 ms with the scatter first, 1.060 ms after, in-process A/B against 50d67b8 at 1.041 / 1.061 ms)
         gd = torch.zeros(D.shape, dtype=torch.float32, device=D.device)
-        grid, ints, constexprs = plan.dd_sc
+        grid, _ints, constexprs = plan.dd_sc
+        ints = _ints_of(plan.dd_sc, plan, Q, D, SCATTER_ROWS_AT)
         _bwd_scatter(grid, (grad, argmax, Q, gd, inv_q, *segs, grad, grad), ints, constexprs, nw)
 
     # The transients die before the casts below: a training step's peak memory is the cast of dD, its fp32 buffer

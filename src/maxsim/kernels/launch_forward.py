@@ -31,20 +31,25 @@ from .forward import maxsim_fwd_kernel
 from .launch_args import (
     DENSE,
     MAX_PLANS,
+    OFFSETS,
     Segs,
     document_strides,
     dot_precision,
     last_dim_contiguous,
+    packed_sides,
     query_strides,
     ragged_plan_key,
     segment_pointers,
     segments_of,
+    shape_key,
     upcast,
+    with_rows,
 )
 from .launcher import Launcher
 from .sizes import cdiv, next_power_of_2
 
 _fwd = Launcher(maxsim_fwd_kernel)
+ROWS_AT = 6  # where the packed queries' row count is among a forward plan's integers (the documents' two on)
 _combine_chunks = Launcher(doc_chunks.combine_chunks_kernel)
 
 
@@ -107,6 +112,7 @@ class ForwardPlan(NamedTuple):
     # The chunks' fold (n_dsplit > 1, else None): grid, the row buffer's fp32 elements, integers, constexprs.
     combine: tuple | None
     combine_launches: dict  # the launcher's plan cache of the fold
+    packed: tuple[bool, bool]  # Q, D packed rows: their counts in ``ints`` are each call's (launch_args.with_rows)
 
 
 plans: dict[tuple, ForwardPlan] = {}  # by plan_key; also the repeats' entries (keep_repeat, launch.keep_step)
@@ -116,9 +122,15 @@ def plan_key(
     Q: Tensor, D: Tensor, q_mask: Tensor | None, d_mask: Tensor | None, normalize: bool, need_argmax: bool,
     rg: Ragged | None, views: Views | None,
 ) -> tuple:  # fmt: skip
-    """What a forward plan depends on: shapes, strides, dtypes, flags and the module settings (never values)."""
+    """What a forward plan depends on: shapes, strides, dtypes, flags and the module settings (never values). Packed
+    rows enter by their :func:`~.launch_args.rows_class` where nothing the plan decides reads their count (a pair
+    list, or a forward that saves the argmax: the scans chosen by the documents' bytes are scores-only ones)."""
+    q_shape, d_shape = Q.shape, D.shape
+    if rg is not None and (need_argmax or rg.pair_q is not None):
+        packed = packed_sides(Q, D, rg)
+        q_shape, d_shape = shape_key(Q, packed[0]), shape_key(D, packed[1])
     return (
-        Q.device, Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, views,
+        Q.device, q_shape, Q.stride(), d_shape, D.stride(), Q.dtype, views,
         None if q_mask is None else q_mask.stride(), None if d_mask is None else d_mask.stride(), normalize,
         need_argmax, torch.get_float32_matmul_precision() if Q.dtype == torch.float32 else None, ragged_plan_key(rg),
         settings.PRENORM_MIN_ROW_BLOCKS, settings.PRENORM_MIN_QUERY_BLOCKS, settings.PRENORM_UNSHARED,
@@ -299,7 +311,9 @@ def forward_keeping_norms(
         {},
         combine,
         {},
+        (sg.q_kind == OFFSETS, sg.d_kind == OFFSETS),
     )  # fmt: skip
+    assert plan.ints[ROWS_AT - 1 : ROWS_AT + 3] == (sg.n_q, sg.rows_q, sg.n_d, sg.rows_d)  # (with_rows' slots)
     if key is not None:
         if len(plans) >= MAX_PLANS:
             plans.clear()
@@ -514,6 +528,7 @@ def run_forward(
     # (chunked documents: each chunk's row maxima, then their tokens, in one allocation; see doc_chunks)
     rows = torch.empty(plan.combine[1], dtype=torch.float32, device=device) if n_dsplit > 1 else scores
     tensors = (Q, D, qm, dm, *segs, out, arg, *(norms or (Q, D)), rows)  # (Q, D, scores: unused pointers)
+    ints = plan.ints if plan.packed == (False, False) else with_rows(plan.ints, ROWS_AT, plan.packed, Q, D)
     pointers = foreign = None
     if q_mask is None and d_mask is None:
         # (a plan's launches always pass one of these compositions: its key holds the masks and the segments)
@@ -524,7 +539,7 @@ def run_forward(
     _fwd(
         plan.grid,
         tensors,
-        plan.ints,
+        ints,
         plan.constexprs,
         plan.num_warps,
         plan.num_stages,

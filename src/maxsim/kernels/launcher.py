@@ -74,10 +74,11 @@ class Launcher:
         foreign: tuple | None = None,
         pointers: tuple | None = None,
     ) -> None:
-        """``plan_cache``: a dict owned by a caller whose launches always pass the same integers, constexprs,
-        options and tensor dtypes (a launch plan); its entries are keyed by the device and the tensors' alignments
-        only, which is most of the host time a launch saves. ``foreign``: with a plan cache, the tensors among
-        ``tensors`` whose alignment is not known (the caller's); the others must be fresh allocations of PyTorch's
+        """``plan_cache``: a dict owned by a caller whose launches always pass the same constexprs, options and
+        tensor dtypes, and integers that Triton specializes alike (the same values but for packed row counts of one
+        :func:`~.launch_args.rows_class`): a launch plan; its entries are keyed by the device and the tensors'
+        alignments only, which is most of the host time a launch saves. ``foreign``: with a plan cache, the tensors
+        among ``tensors`` whose alignment is not known (the caller's); the others must be fresh allocations of PyTorch's
         caching allocator, whose blocks are 512-byte aligned, or repeats of foreign ones (each ``data_ptr`` read
         costs ~0.1 µs of host time; a launch passes up to 17 pointers). ``pointers``: the ``data_ptr()`` of each of
         ``tensors``, read by a caller that knows which of them are one tensor passed again (unused slots hold a
