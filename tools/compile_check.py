@@ -2,13 +2,13 @@
 
 The launch functions run on small CPU tensors with the launcher replaced by a compiler call (Triton's front end and
 ptxas, for ``sm_90``), so type and shape errors of the kernels show up here instead of on a lent GPU. Nothing is
-executed. Usage: ``python tools/compile_check.py [--full | --regs | --sass] [NAME=VALUE ...]`` (front end only; the
-whole pipeline through ptxas, failing a variant that needs more shared memory than sm_90 has; that plus each
-variant's registers and spill bytes from ``ptxas -v`` and its shared memory, which say how
-many programs fit on a multiprocessor; that plus a histogram of the SASS instructions of each variant's innermost
-loops, from ``nvdisasm``); ``NAME=VALUE`` arguments keep only the variants whose kernel name
-(``kernel=maxsim_bwd_kernel``), constexprs (``SCAN_D=True``) or ``num_warps`` match. Exit status 1 if a variant
-fails.
+executed. Usage: ``python tools/compile_check.py [--full | --regs | --sass] [--part=K/N] [NAME=VALUE ...]``
+(front end only; the whole pipeline through ptxas, failing a variant that needs more shared memory than sm_90 has;
+that plus each variant's registers and spill bytes from ``ptxas -v`` and its shared memory, which say how many
+programs fit on a multiprocessor; that plus a histogram of the SASS instructions of each variant's innermost loops,
+from ``nvdisasm``); ``--part=K/N`` runs the K-th (from 0) of N shares of the (dtype, normalize) cases;
+``NAME=VALUE`` arguments keep only the variants whose kernel name (``kernel=maxsim_bwd_kernel``), constexprs
+(``SCAN_D=True``) or ``num_warps`` match. Exit status 1 if a variant fails.
 """
 
 from __future__ import annotations
@@ -48,7 +48,11 @@ _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", 
 SASS = "--sass" in sys.argv
 REGS = "--regs" in sys.argv or SASS
 FULL = "--full" in sys.argv or REGS
-FILTERS = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a and not a.startswith("shapes="))
+FILTERS = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a and not a.startswith(("shapes=", "--part=")))
+# ``--part=K/N``: a share of the (dtype, normalize) cases, so that tests can spread them over workers
+PART = next(
+    (tuple(int(v) for v in a[len("--part=") :].split("/")) for a in sys.argv[1:] if a.startswith("--part=")), (0, 1)
+)
 # (Lq, dim) of the queries: the matrix's, off-matrix ones and wide tokens; ``shapes=32x384,200x768`` replaces them
 SHAPES = ((32, 128), (8, 64), (200, 128), (32, 256), (23, 96), (23, 48), (32, 384), (200, 384), (32, 768), (32, 1024))
 for _arg in sys.argv[1:]:
@@ -200,110 +204,108 @@ def main() -> None:
         0.0,
         float("inf"),
     )  # (the streaming scans too: the small shapes here are far below)
-    for dt in (torch.bfloat16, torch.float32):
-        for normalize in (False, True):
-            for lq, dim in SHAPES:
-                if dim > configs.WIDEST_DIM[dt.itemsize]:  # (the PyTorch path's: backend.choose_impl)
-                    continue
-                Q = torch.randn(4, lq, dim, dtype=dt)
-                for D in (torch.randn(1, 5, 40, dim, dtype=dt), torch.randn(4, 3, 40, dim, dtype=dt)):
-                    for masks in (False, True):
-                        qm = torch.ones(Q.shape[:2], dtype=torch.bool) if masks else None
-                        dm = torch.ones(D.shape[:3], dtype=torch.bool) if masks else None
-                        for sms in (1, 132):  # shared documents: persistent programs, then one per document
-                            device_info.INTERPRETER_SMS = sms
-                            launch_forward.plans.clear()
-                            s, a = launch.forward(Q, D, qm, dm, normalize, True)
-                            launch.forward(Q, D, qm, dm, normalize, False)
-                            if D.shape[0] == 1:  # 64 queries against shared documents: packed rows (PACK_ROWS)
-                                Qp = torch.randn(64, lq, dim, dtype=dt)
-                                qmp = torch.ones(Qp.shape[:2], dtype=torch.bool) if masks else None
-                                launch.forward(Qp, D, qmp, dm, normalize, True)
-                                launch.forward(Qp, D, qmp, dm, normalize, False)
-                                # their scores-only blocks halved on a card that PACKED_SCORES_HALF_L2 names
-                                card = device_info.card_name, device_info.l2_bytes
-                                device_info.card_name = lambda d: "NVIDIA H200"
-                                device_info.l2_bytes = lambda d: 1 << 30
-                                launch_forward.plans.clear()
-                                launch.forward(Qp, D, qmp, dm, normalize, False)
-                                device_info.card_name, device_info.l2_bytes = card
-                                launch_forward.plans.clear()
-                        # few programs against long documents: chunked, and thin blocks deep-pipelined
-                        few = launch_settings.DEEP_PIPELINE_MIN_LD, launch_settings.DOC_SPLIT_MIN_TILES
-                        (
-                            device_info.INTERPRETER_SMS,
-                            launch_settings.DEEP_PIPELINE_MIN_LD,
-                            launch_settings.DOC_SPLIT_MIN_TILES,
-                        ) = 4096, 0, 1
-                        Dl = torch.randn(D.shape[:2] + (300, dim), dtype=dt)
-                        dml = torch.ones(Dl.shape[:3], dtype=torch.bool) if masks else None
+    cases = [(dt, normalize) for dt in (torch.bfloat16, torch.float32) for normalize in (False, True)]
+    for dt, normalize in cases[PART[0] :: PART[1]]:
+        for lq, dim in SHAPES:
+            if dim > configs.WIDEST_DIM[dt.itemsize]:  # (the PyTorch path's: backend.choose_impl)
+                continue
+            Q = torch.randn(4, lq, dim, dtype=dt)
+            for D in (torch.randn(1, 5, 40, dim, dtype=dt), torch.randn(4, 3, 40, dim, dtype=dt)):
+                for masks in (False, True):
+                    qm = torch.ones(Q.shape[:2], dtype=torch.bool) if masks else None
+                    dm = torch.ones(D.shape[:3], dtype=torch.bool) if masks else None
+                    for sms in (1, 132):  # shared documents: persistent programs, then one per document
+                        device_info.INTERPRETER_SMS = sms
                         launch_forward.plans.clear()
-                        launch.forward(Q, Dl, qm, dml, normalize, True)
-                        launch.forward(Q, Dl, qm, dml, normalize, False)
-                        launch_settings.DEEP_PIPELINE_MIN_LD, launch_settings.DOC_SPLIT_MIN_TILES = few
-                        launch_forward.plans.clear()
-                        if not masks and D.element_size() == 2:
-                            # large once-read scans on a card that ONCE_READ_TABLE_L2 names: the table loop with
-                            # configs.once_read_config's tiles (32 and 64 query rows; short and long documents)
+                        s, a = launch.forward(Q, D, qm, dm, normalize, True)
+                        launch.forward(Q, D, qm, dm, normalize, False)
+                        if D.shape[0] == 1:  # 64 queries against shared documents: packed rows (PACK_ROWS)
+                            Qp = torch.randn(64, lq, dim, dtype=dt)
+                            qmp = torch.ones(Qp.shape[:2], dtype=torch.bool) if masks else None
+                            launch.forward(Qp, D, qmp, dm, normalize, True)
+                            launch.forward(Qp, D, qmp, dm, normalize, False)
+                            # their scores-only blocks halved on a card that PACKED_SCORES_HALF_L2 names
                             card = device_info.card_name, device_info.l2_bytes
-                            device_info.card_name, device_info.l2_bytes = (lambda d: "NVIDIA H200"), (lambda d: 1)
-                            device_info.INTERPRETER_SMS = 1
-                            for Qo in (Q[:1], torch.randn(1, 48, dim, dtype=dt)):
-                                for ld in (40, 600):
-                                    Do = torch.randn(1, 5, ld, dim, dtype=dt)
-                                    launch_forward.plans.clear()
-                                    launch.forward(Qo, Do, None, None, normalize, False)
+                            device_info.card_name = lambda d: "NVIDIA H200"
+                            device_info.l2_bytes = lambda d: 1 << 30
+                            launch_forward.plans.clear()
+                            launch.forward(Qp, D, qmp, dm, normalize, False)
                             device_info.card_name, device_info.l2_bytes = card
                             launch_forward.plans.clear()
-                        a = torch.zeros(Q.shape[0], D.shape[1], lq, dtype=torch.int32)
-                        g = torch.ones(Q.shape[0], D.shape[1])
-                        for det in (False, True):
-                            for owner_limit in (launch_settings.SHARED_OWNER_MAX_WORK, 0):  # owned dD, then atomics
-                                for split_k in (launch_settings.DQ_SPLIT_MIN_K, 2):  # the plain dQ walk, then split
-                                    before = (
-                                        launch_settings.SHARED_OWNER_MAX_WORK,
-                                        launch_settings.SHARED_OWNER_MAX_ROWS,
-                                    )
-                                    launch_settings.SHARED_OWNER_MAX_WORK = launch_settings.SHARED_OWNER_MAX_ROWS = (
-                                        owner_limit
-                                    )
-                                    before_split = launch_settings.DQ_SPLIT_MIN_K, launch_settings.DQ_SPLIT_MIN_PAIRS
-                                    launch_settings.DQ_SPLIT_MIN_K, launch_settings.DQ_SPLIT_MIN_PAIRS = split_k, 1
-                                    launch_backward.plans.clear()
-                                    launch.backward(g, Q, D, a, normalize, det)
-                                    launch_settings.SHARED_OWNER_MAX_WORK, launch_settings.SHARED_OWNER_MAX_ROWS = (
-                                        before
-                                    )
-                                    launch_settings.DQ_SPLIT_MIN_K, launch_settings.DQ_SPLIT_MIN_PAIRS = before_split
-                                    launch_backward.plans.clear()
-                        if D.shape[0] == 1 and D.element_size() == 2 and not normalize:
-                            # dD's atomics in chunks of one document: atomics launches with and without a cast
-                            names = ("SHARED_OWNER_MAX_WORK", "SHARED_OWNER_MAX_ROWS", "SCATTER_BUFFER_MAX_BYTES",
-                                     "SCATTER_CHUNK_BYTES", "SCATTER_CHUNK_MIN_LINKS")  # fmt: skip
-                            before = [getattr(launch_settings, n) for n in names]
-                            for n, v in zip(names, (0, 0, 0, D.shape[2] * dim * 4, 0), strict=True):
-                                setattr(launch_settings, n, v)
-                            launch_backward.plans.clear()
-                            launch.backward(g, Q, D, a.to(torch.int16), normalize, False)
-                            for n, v in zip(names, before, strict=True):
-                                setattr(launch_settings, n, v)
-                            launch_backward.plans.clear()
-                # ragged: varlen cross, pair list, padded with lengths
-                cu_q, cu_d = offsets([3, lq, 1, 0]), offsets([5, 40, 0, 7, 9])
-                Qp, Dp = torch.randn(int(cu_q[-1]), dim, dtype=dt), torch.randn(int(cu_d[-1]), dim, dtype=dt)
-                pq, pd = torch.tensor([0, 1, 3]), torch.tensor([4, 1, 1])
-                for rg in (Ragged(cu_q, cu_d, None, None, lq, 40), Ragged(cu_q, cu_d, pq, pd, lq, 40)):
-                    s, a = launch.forward(Qp, Dp, None, None, normalize, True, rg)
-                    a = torch.zeros(s.shape + (lq,), dtype=torch.int32)
+                    # few programs against long documents: chunked, and thin blocks deep-pipelined
+                    few = launch_settings.DEEP_PIPELINE_MIN_LD, launch_settings.DOC_SPLIT_MIN_TILES
+                    (
+                        device_info.INTERPRETER_SMS,
+                        launch_settings.DEEP_PIPELINE_MIN_LD,
+                        launch_settings.DOC_SPLIT_MIN_TILES,
+                    ) = 4096, 0, 1
+                    Dl = torch.randn(D.shape[:2] + (300, dim), dtype=dt)
+                    dml = torch.ones(Dl.shape[:3], dtype=torch.bool) if masks else None
+                    launch_forward.plans.clear()
+                    launch.forward(Q, Dl, qm, dml, normalize, True)
+                    launch.forward(Q, Dl, qm, dml, normalize, False)
+                    launch_settings.DEEP_PIPELINE_MIN_LD, launch_settings.DOC_SPLIT_MIN_TILES = few
+                    launch_forward.plans.clear()
+                    if not masks and D.element_size() == 2:
+                        # large once-read scans on a card that ONCE_READ_TABLE_L2 names: the table loop with
+                        # configs.once_read_config's tiles (32 and 64 query rows; short and long documents)
+                        card = device_info.card_name, device_info.l2_bytes
+                        device_info.card_name, device_info.l2_bytes = (lambda d: "NVIDIA H200"), (lambda d: 1)
+                        device_info.INTERPRETER_SMS = 1
+                        for Qo in (Q[:1], torch.randn(1, 48, dim, dtype=dt)):
+                            for ld in (40, 600):
+                                Do = torch.randn(1, 5, ld, dim, dtype=dt)
+                                launch_forward.plans.clear()
+                                launch.forward(Qo, Do, None, None, normalize, False)
+                        device_info.card_name, device_info.l2_bytes = card
+                        launch_forward.plans.clear()
+                    a = torch.zeros(Q.shape[0], D.shape[1], lq, dtype=torch.int32)
+                    g = torch.ones(Q.shape[0], D.shape[1])
                     for det in (False, True):
-                        for scan_limit in (launch_settings.PAIR_SCAN_MAX_WORK, 0):  # pair ids scanned, then indexed
-                            launch_settings.PAIR_SCAN_MAX_WORK, before = scan_limit, launch_settings.PAIR_SCAN_MAX_WORK
-                            launch.backward(torch.ones(s.shape), Qp, Dp, a, normalize, det, rg)
-                            launch_settings.PAIR_SCAN_MAX_WORK = before
-                Dc = torch.randn(4, 3, 40, dim, dtype=dt)
-                rg = Ragged(torch.full((4,), 2), torch.full((4, 3), 9), None, None, lq, 40)
-                s, a = launch.forward(Q, Dc, None, None, normalize, True, rg)
-                launch.backward(torch.ones(s.shape), Q, Dc, a, normalize, False, rg)
+                        for owner_limit in (launch_settings.SHARED_OWNER_MAX_WORK, 0):  # owned dD, then atomics
+                            for split_k in (launch_settings.DQ_SPLIT_MIN_K, 2):  # the plain dQ walk, then split
+                                before = (
+                                    launch_settings.SHARED_OWNER_MAX_WORK,
+                                    launch_settings.SHARED_OWNER_MAX_ROWS,
+                                )
+                                launch_settings.SHARED_OWNER_MAX_WORK = launch_settings.SHARED_OWNER_MAX_ROWS = (
+                                    owner_limit
+                                )
+                                before_split = launch_settings.DQ_SPLIT_MIN_K, launch_settings.DQ_SPLIT_MIN_PAIRS
+                                launch_settings.DQ_SPLIT_MIN_K, launch_settings.DQ_SPLIT_MIN_PAIRS = split_k, 1
+                                launch_backward.plans.clear()
+                                launch.backward(g, Q, D, a, normalize, det)
+                                launch_settings.SHARED_OWNER_MAX_WORK, launch_settings.SHARED_OWNER_MAX_ROWS = before
+                                launch_settings.DQ_SPLIT_MIN_K, launch_settings.DQ_SPLIT_MIN_PAIRS = before_split
+                                launch_backward.plans.clear()
+                    if D.shape[0] == 1 and D.element_size() == 2 and not normalize:
+                        # dD's atomics in chunks of one document: atomics launches with and without a cast
+                        names = ("SHARED_OWNER_MAX_WORK", "SHARED_OWNER_MAX_ROWS", "SCATTER_BUFFER_MAX_BYTES",
+                                 "SCATTER_CHUNK_BYTES", "SCATTER_CHUNK_MIN_LINKS")  # fmt: skip
+                        before = [getattr(launch_settings, n) for n in names]
+                        for n, v in zip(names, (0, 0, 0, D.shape[2] * dim * 4, 0), strict=True):
+                            setattr(launch_settings, n, v)
+                        launch_backward.plans.clear()
+                        launch.backward(g, Q, D, a.to(torch.int16), normalize, False)
+                        for n, v in zip(names, before, strict=True):
+                            setattr(launch_settings, n, v)
+                        launch_backward.plans.clear()
+            # ragged: varlen cross, pair list, padded with lengths
+            cu_q, cu_d = offsets([3, lq, 1, 0]), offsets([5, 40, 0, 7, 9])
+            Qp, Dp = torch.randn(int(cu_q[-1]), dim, dtype=dt), torch.randn(int(cu_d[-1]), dim, dtype=dt)
+            pq, pd = torch.tensor([0, 1, 3]), torch.tensor([4, 1, 1])
+            for rg in (Ragged(cu_q, cu_d, None, None, lq, 40), Ragged(cu_q, cu_d, pq, pd, lq, 40)):
+                s, a = launch.forward(Qp, Dp, None, None, normalize, True, rg)
+                a = torch.zeros(s.shape + (lq,), dtype=torch.int32)
+                for det in (False, True):
+                    for scan_limit in (launch_settings.PAIR_SCAN_MAX_WORK, 0):  # pair ids scanned, then indexed
+                        launch_settings.PAIR_SCAN_MAX_WORK, before = scan_limit, launch_settings.PAIR_SCAN_MAX_WORK
+                        launch.backward(torch.ones(s.shape), Qp, Dp, a, normalize, det, rg)
+                        launch_settings.PAIR_SCAN_MAX_WORK = before
+            Dc = torch.randn(4, 3, 40, dim, dtype=dt)
+            rg = Ragged(torch.full((4,), 2), torch.full((4, 3), 9), None, None, lq, 40)
+            s, a = launch.forward(Q, Dc, None, None, normalize, True, rg)
+            launch.backward(torch.ones(s.shape), Q, Dc, a, normalize, False, rg)
     ok = sum(1 for v in seen.values() if v >= 0)
     secs = sum(v for v in seen.values() if v > 0)
     stage = "compiled" if FULL else "front end of"
