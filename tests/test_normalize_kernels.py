@@ -92,6 +92,59 @@ def test_one_side_projects_alone(device):
     torch.testing.assert_close(dQ, _expected(Q, gQ), rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
+def test_batches_of_other_row_counts_share_a_launch_plan(monkeypatch):
+    """Packed tokens of each batch of a ragged layout come in other row counts, which the kernels do not specialize
+    on: both launches keep one plan for them all (Launcher's ``plan_cache``: later launches skip Triton's path),
+    another for what Triton does specialize on (dim, a row stride, dtypes), and name the tensors whose alignment they
+    read (the inputs and gradients; the rest are their fresh outputs)."""
+    from maxsim.kernels import launcher
+
+    caches: list = []
+
+    def record(self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0,
+               foreign=None, pointers=None):  # fmt: skip
+        check_pointers(tensors, pointers)
+        named = {id(t) for t in foreign}
+        outputs = [i for i, t in enumerate(tensors) if id(t) not in named]
+        caches.append((self.kernel.__name__, id(plan_cache), outputs))
+
+    monkeypatch.setattr(launcher.Launcher, "__call__", record)
+    monkeypatch.setattr(nk, "_plans", {})
+    for rows_q, rows_d, dim, dtype in [(9, 40, 16, torch.float16), (13, 71, 16, torch.float16),
+                                       (130, 2, 16, torch.float16), (9, 40, 24, torch.float16),
+                                       (9, 40, 16, torch.float32)]:  # fmt: skip
+        Q, D = torch.randn(rows_q, dim, dtype=dtype), torch.randn(rows_d, dim, dtype=dtype)
+        nk.inverse_norms(Q, D)
+        nk.project(torch.randn(rows_q, dim), Q, torch.randn(rows_d, dim), D)
+    nk.inverse_norms(torch.randn(40, 32, dtype=torch.float16)[:, :16], torch.randn(5, 16, dtype=torch.float16))
+    norms = [c for c in caches if c[0] == "inverse_norms_kernel"]
+    projects = [c for c in caches if c[0] == "project_kernel"]
+    assert [c[2] for c in norms] == [[1, 3]] * 6 and [c[2] for c in projects] == [[2, 5]] * 5
+    # (the first three batches share; another dim, another dtype, another row stride each plan apart)
+    assert len({c[1] for c in norms[:3]}) == 1 and len({c[1] for c in norms}) == 4
+    assert len({c[1] for c in projects[:3]}) == 1 and len({c[1] for c in projects}) == 3
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_batches_of_other_row_counts_compute_their_own_rows(dtype, device):
+    """One launch plan, many row counts (see above): each launch norms and projects all its rows and no more (on a
+    GPU the later launches are the plan's direct ones; rows past a stale count would come back uninitialized)."""
+    if not triton_usable(device):
+        pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
+    dt = DTYPES[dtype]
+    g = torch.Generator().manual_seed(3)
+    for rows_q, rows_d in [(9, 40), (75, 310), (33, 17), (1, 1000)]:
+        Q, D = (torch.randn(n, 48, generator=g).to(dt).to(device) for n in (rows_q, rows_d))
+        gQ, gD = (torch.randn(n, 48, generator=g).to(device) for n in (rows_q, rows_d))
+        inv_q, inv_d = nk.inverse_norms(Q, D)
+        dQ, dD = nk.project(gQ, Q, gD, D)
+        for x, inv, gx, out in ((Q, inv_q, gQ, dQ), (D, inv_d, gD, dD)):
+            norm = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)
+            torch.testing.assert_close(inv, 1 / norm.clamp_min(NORM_EPS), rtol=1e-6, atol=0)
+            tol = GRAD_TOL[dt]
+            torch.testing.assert_close(out.float(), _expected(x, gx).to(dt).float(), rtol=tol, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "case, fused_q, fused_d",
     [

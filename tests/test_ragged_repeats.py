@@ -283,13 +283,13 @@ def _batch(function: str, lengths: tuple, seed: int, device) -> tuple:
 )
 def test_batches_of_other_token_totals_share_the_plans(function, mode, triton_only, plan_keys, backward_plans,
                                                        device):  # fmt: skip
-    """A pair list's calls and a training step's repeat across batches whose packed token totals differ (one plan
-    forward, one backward, each launch passed its call's counts); a scores-only cross product, whose plan reads the
-    documents' bytes, plans each total; a total of another class plans anew. Every result the reference's, exactly."""
+    """A pair list's calls, a scores-only cross product's (its documents' bytes on one side of every bound here)
+    and a training step's repeat across batches whose packed token totals differ: one plan forward, one backward,
+    each launch passed its call's counts; a total of another class plans anew. Every result the reference's,
+    exactly."""
     from maxsim.kernels import launch_backward
 
     kw = dict(max_seqlen_q=MAX_Q, max_seqlen_d=MAX_D)
-    shares = not (function == "varlen" and mode == "scores")
     for i, lengths in enumerate([*BATCHES, OTHER_CLASS]):
         args = _batch(function, lengths, seed=40 + i, device=device)
         n = len(plan_keys)
@@ -307,7 +307,29 @@ def test_batches_of_other_token_totals_share_the_plans(function, mode, triton_on
             torch.testing.assert_close(a.double(), b.double(), rtol=0, atol=0, msg=lambda m, i=i: f"batch {i}: {m}")
         if i == 0:
             continue
-        repeated = shares and i < len(BATCHES)
+        repeated = i < len(BATCHES)
         assert (len(plan_keys) == n) == repeated, f"batch {i}: {len(plan_keys) - n} plan keys built"
     if mode == "step":
-        assert len(launch_backward.plans) == (2 if shares else len(BATCHES) + 1)
+        assert len(launch_backward.plans) == 2
+
+
+def test_scores_only_batches_plan_anew_where_their_bytes_cross_a_bound(triton_only, plan_keys, device, monkeypatch):
+    """A scores-only cross product chooses its scan by its documents' bytes in L2 sizes (here, an L2 of 1400 bytes:
+    the first batch's 640 bytes of documents lie below the stream's range, the other two's 736 and 1248 bytes in it):
+    the batches on one side of every bound share a plan, the one across a bound plans its own scan. Every result
+    the reference's, exactly."""
+    from maxsim.kernels import device_info, launch_forward
+
+    monkeypatch.setattr(device_info, "l2_bytes", lambda device: 1400)
+    kw = dict(max_seqlen_q=MAX_Q, max_seqlen_d=MAX_D)
+    built = []
+    for i, lengths in enumerate(BATCHES):
+        args = _batch("varlen", lengths, seed=60 + i, device=device)
+        n = len(plan_keys)
+        with torch.no_grad():
+            got = maxsim.maxsim_varlen(*args, **kw)
+        torch.testing.assert_close(got.double(), _reference("varlen", args).double(), rtol=0, atol=0)
+        built.append(len(plan_keys) > n)
+    assert built == [True, True, False]
+    plans = {id(p): p for p in launch_forward.plans.values()}.values()  # (a repeat's entry is its plan again)
+    assert sorted(p.constexprs["STREAM_D"] for p in plans) == [False, True]

@@ -116,8 +116,9 @@ def ragged_repeat_key(
     the full path: the argmax asked for, ``validate=True`` (its checks read values) or maxima to read back (a sync
     the signature cannot know the answer of), arguments of other types, or what :func:`repeat_key` refuses. A
     signature holds the segments' shapes, strides, dtypes and devices, never their values (a plan never reads them),
-    and, for a training step or a pair list, the packed tokens' row counts by their class
-    (:func:`maxsim.kernels.launch_args.rows_class`), as their plans do."""
+    and the packed tokens' row counts by their class (:func:`maxsim.kernels.launch_args.rows_class`; a scores-only
+    cross product's documents with their bytes' class, :func:`maxsim.kernels.launch_forward.documents_key`), as
+    their plans do."""
     if return_argmax is not False or not (validate is None or validate is False):
         return None
     if type(max_q) is not int or type(max_d) is not int:
@@ -145,10 +146,11 @@ def ragged_repeat_key(
         backward == "deterministic" or (backward == "auto" and torch.are_deterministic_algorithms_enabled())
     )
     q_shape, d_shape = Q.shape, D.shape
-    if function != "padded" and (step or pair_q is not None):
+    if function != "padded":
         # (packed rows by their class, as the plans hold them: a training loop's batches, whose token totals
-        # differ, repeat one signature; a scores-only cross product's plan reads the documents' bytes)
-        q_shape, d_shape = _launch.shape_key(Q, Q.dim() == 2), _launch.shape_key(D, D.dim() == 2)
+        # differ, repeat one signature; a scores-only cross product's with its documents' bytes' class)
+        q_shape = _launch.shape_key(Q, Q.dim() == 2)
+        d_shape = _launch.documents_key(D, D.dim() == 2, not step and pair_q is None)
     return ("step" if step else "repeat", function, q_shape, Q.stride(), d_shape, D.stride(), Q.dtype, D.dtype,
             Q.device, D.device, q_seg.shape, q_seg.stride(), q_seg.dtype, q_seg.device, d_seg.shape, d_seg.stride(),
             d_seg.dtype, d_seg.device, pairs, max_q, max_d, normalize, backward, deterministic, backend,

@@ -16,11 +16,11 @@ from ..layout import Ragged, Views
 from . import launch_backward, launch_forward
 from .launch_args import segment_pointers, shape_key
 from .launch_backward import backward, csr
-from .launch_forward import ForwardPlan, forward_keeping_norms, keep_repeat, run_repeat
+from .launch_forward import ForwardPlan, documents_key, forward_keeping_norms, keep_repeat, run_repeat
 
 __all__ = [
-    "StepPlan", "backward", "csr", "forward", "forward_keeping_norms", "keep_repeat", "keep_step", "run_repeat",
-    "shape_key", "step_backward", "step_forward", "step_plan",
+    "StepPlan", "backward", "csr", "documents_key", "forward", "forward_keeping_norms", "keep_repeat", "keep_step",
+    "run_repeat", "shape_key", "step_backward", "step_forward", "step_plan",
 ]  # fmt: skip
 
 

@@ -59,6 +59,35 @@ def once_read_table_l2(device: torch.device) -> float:
     return next((bound for key, bound in settings.ONCE_READ_TABLE_L2 if key in name), float("inf"))
 
 
+def documents_key(D: Tensor, packed: bool, scan_by_bytes: bool) -> tuple:
+    """``D``'s shape as a forward plan's key holds it: packed documents' row count by its
+    :func:`~.launch_args.rows_class`, and where the forward may choose its scan by their bytes (``scan_by_bytes``: a
+    scores-only cross product of packed documents; a pair list reads no scan by bytes, nor does a forward that saves
+    the argmax) also which side of each bound those bytes lie (:func:`bytes_class`): a batch of other token totals
+    shares the plan wherever the plan would come out the same."""
+    if not packed:
+        return tuple(D.shape)
+    if not scan_by_bytes:
+        return shape_key(D, True)
+    return (*shape_key(D, True), bytes_class(D))
+
+
+def bytes_class(D: Tensor) -> tuple[bool, ...]:
+    """Which side of each bound in L2 sizes that :func:`half_packed_blocks` and :func:`once_read_scan` compare the
+    documents' bytes with ``D``'s bytes lie, each compared as there: what of ``D``'s size a scores-only plan reads."""
+    l2s = l2_sizes(D)
+    name = device_info.card_name(D.device)
+    half = next((b for key, b in settings.PACKED_SCORES_HALF_L2 if key in name), 0.0)
+    table = once_read_table_l2(D.device)
+    lo, hi = settings.STREAM_L2_RANGE
+    return (l2s > half, l2s > table, l2s > min(table, settings.ONCE_READ_WIDE_TABLE_L2), lo <= l2s, l2s <= hi)
+
+
+def l2_sizes(D: Tensor) -> float:
+    """``D``'s bytes in sizes of its device's L2 (what the once-read scans' bounds are in)."""
+    return D.numel() * D.element_size() / device_info.l2_bytes(D.device)
+
+
 def half_packed_blocks(cfg: ForwardConfig, D: Tensor) -> ForwardConfig | None:
     """configs.half_packed_config's blocks for a scores-only forward against shared 16-bit documents ``D`` of at most
     the card's PACKED_SCORES_HALF_L2 L2 sizes, else None. (The caller asks only where the 256-row blocks are two or
@@ -67,7 +96,7 @@ def half_packed_blocks(cfg: ForwardConfig, D: Tensor) -> ForwardConfig | None:
         return None
     name = device_info.card_name(D.device)
     bound = next((b for key, b in settings.PACKED_SCORES_HALF_L2 if key in name), 0.0)
-    if D.numel() * D.element_size() > bound * device_info.l2_bytes(D.device):
+    if l2_sizes(D) > bound:
         return None
     return half_packed_config(cfg)
 
@@ -123,12 +152,13 @@ def plan_key(
     rg: Ragged | None, views: Views | None,
 ) -> tuple:  # fmt: skip
     """What a forward plan depends on: shapes, strides, dtypes, flags and the module settings (never values). Packed
-    rows enter by their :func:`~.launch_args.rows_class` where nothing the plan decides reads their count (a pair
-    list, or a forward that saves the argmax: the scans chosen by the documents' bytes are scores-only ones)."""
+    rows enter by their :func:`~.launch_args.rows_class` (see :func:`documents_key` for a scores-only cross
+    product's documents)."""
     q_shape, d_shape = Q.shape, D.shape
-    if rg is not None and (need_argmax or rg.pair_q is not None):
+    if rg is not None:
         packed = packed_sides(Q, D, rg)
-        q_shape, d_shape = shape_key(Q, packed[0]), shape_key(D, packed[1])
+        q_shape = shape_key(Q, packed[0])
+        d_shape = documents_key(D, packed[1], not need_argmax and rg.pair_q is None)
     return (
         Q.device, q_shape, Q.stride(), d_shape, D.stride(), Q.dtype, views,
         None if q_mask is None else q_mask.stride(), None if d_mask is None else d_mask.stride(), normalize,
@@ -471,7 +501,7 @@ def once_read_scan(
     rows = cfg.BQ * cfg.TQ
     if rows > (settings.STREAM_SHARED_MAX_ROWS if shared else settings.STREAM_UNSHARED_MAX_ROWS):
         return None
-    l2s = D.numel() * D.element_size() / device_info.l2_bytes(D.device)
+    l2s = l2_sizes(D)
     # (a document mask: normalized thin blocks only, see ONCE_READ_TABLE_MASKED_SUMS[_MAX_ROWS])
     masked_rows = settings.ONCE_READ_TABLE_MASKED_SUMS_MAX_ROWS
     table_mask = normalize and rows <= masked_rows and bool(settings.ONCE_READ_TABLE_MASKED_SUMS)

@@ -28,6 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..layout import NORM_EPS
+from .launch_args import MAX_PLANS
 from .launcher import Launcher
 from .sizes import cdiv, next_power_of_2
 
@@ -136,6 +137,23 @@ _inverse_norms = Launcher(inverse_norms_kernel)
 _project = Launcher(project_kernel)
 
 
+# Launch plans (see Launcher's ``plan_cache``) by everything Triton specializes these launches on but the tensors'
+# alignments: the tensors' dtypes and the integers but the row and program counts, which the kernels do not specialize
+# on (but for their 32-bit range), so that the batches of a ragged layout, whose token totals differ, share them.
+_plans: dict[tuple, dict] = {}
+
+
+def _plan_cache(kind: str, tensors: tuple, ints: tuple) -> dict:
+    rows1, rows2, stride1, stride2, dim, programs1 = ints
+    key = (kind, *[t.dtype for t in tensors], stride1, stride2, dim, rows1 < 2**31, rows2 < 2**31, programs1 < 2**31)
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= MAX_PLANS:
+            _plans.clear()
+        plan = _plans[key] = {}
+    return plan
+
+
 def _rows(x: Tensor) -> Tensor:
     """``x`` as ``[rows, dim]`` with a unit stride along dim: a view where the leading dimensions collapse."""
     if x.stride(-1) != 1:
@@ -161,7 +179,9 @@ def inverse_norms(Q: Tensor, D: Tensor) -> tuple[Tensor, Tensor]:
     grid = p1 + cdiv(d.shape[0], BR)
     if grid:
         ints = (q.shape[0], d.shape[0], q.stride(0), d.stride(0), Q.shape[-1], p1)
-        _inverse_norms(grid, (q, inv_q, d, inv_d), ints, _constexprs(Q.shape[-1]), 4)
+        tensors = (q, inv_q, d, inv_d)
+        plan = _plan_cache("norms", tensors, ints)
+        _inverse_norms(grid, tensors, ints, _constexprs(Q.shape[-1]), 4, plan_cache=plan, foreign=(q, d))
     return inv_q, inv_d
 
 
@@ -182,6 +202,9 @@ def project(gQ: Tensor | None, Q: Tensor, gD: Tensor | None, D: Tensor) -> tuple
     grid = p1 + cdiv(n2, BR)
     if grid:
         ints = (x1.shape[0], n2, x1.stride(0), x2.stride(0), x1.shape[-1], p1)
-        _project(grid, (x1, g1, o1, x2, g2, o2), ints, _constexprs(x1.shape[-1]), 4)
+        tensors = (x1, g1, o1, x2, g2, o2)
+        plan = _plan_cache("project", tensors, ints)
+        # (a gradient's alignment is read, not assumed: project is a public helper, its callers' buffers any views)
+        _project(grid, tensors, ints, _constexprs(x1.shape[-1]), 4, plan_cache=plan, foreign=(x1, g1, x2, g2))
     it = iter(outs)
     return (None if gQ is None else next(it)), (None if gD is None else next(it))
