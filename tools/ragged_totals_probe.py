@@ -8,8 +8,9 @@ layouts: the bench's pair list (64 queries x 32 candidates, Lq 32, Ld 180) and s
 list's documents 120-180 tokens) and the maxima fixed, as a collate would hand them over; wall time per call over
 ``--calls`` calls, synchronized once at the end (host-bound calls: their host time).
 
-Usage: python tools/ragged_totals_probe.py [--calls 200] [--stub]
-    (on a GPU; ``--stub``: here, the Triton path on meta tensors with its launches stubbed, as tools/host_stub.py)
+Usage: python tools/ragged_totals_probe.py [--calls 200] [--normalize] [--stub]
+    (on a GPU; ``--normalize``: the calls with normalize=True; ``--stub``: here, the Triton path on meta tensors with
+    its launches stubbed, as tools/host_stub.py)
 """
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ def _layout(name: str, seed: int, device: str) -> tuple:
     return Q, D, *(None if x is None else x.to(device) for x in (cu_q, cu_d, pair_q, pair_d)), max_q, max_d
 
 
-def _call(args: tuple, train: bool) -> object:
+def _call(args: tuple, train: bool, normalize: bool = False) -> object:
     Q, D, cu_q, cu_d, pq, pd, max_q, max_d = args
-    kw = dict(max_seqlen_q=max_q, max_seqlen_d=max_d)
+    kw = dict(max_seqlen_q=max_q, max_seqlen_d=max_d, normalize=normalize)
     if not train:
         with torch.no_grad():
             if pq is None:
@@ -81,6 +82,7 @@ def _us_per_call(fn: Callable[[tuple], object], batches: list[tuple], sync: Call
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--normalize", action="store_true", help="the calls with normalize=True")
     ap.add_argument("--stub", action="store_true", help="no GPU: launches stubbed on meta tensors (host time only)")
     args = ap.parse_args()
     if args.stub:
@@ -98,13 +100,15 @@ def main() -> None:
         same = _layout(name, 0, device)
         for mode in ("infer", "train"):
             train = mode == "train"
+            call = lambda b, t=train: _call(b, t, args.normalize)  # noqa: E731
             for _ in range(20):
-                _call(same, train)
-            t_same = _us_per_call(lambda b, t=train: _call(b, t), [same] * args.calls, sync)
+                call(same)
+            t_same = _us_per_call(call, [same] * args.calls, sync)
             # (seeds of their own per row: totals that neither direction's plans have met)
             new = [_layout(name, (1 + train) * 100_000 + i, device) for i in range(args.calls)]
-            t_new = _us_per_call(lambda b, t=train: _call(b, t), new, sync)
-            print(f"{name:9s} {mode:5s}  same tensors {t_same:7.1f} us   new totals each call {t_new:7.1f} us   "
+            t_new = _us_per_call(call, new, sync)
+            norm = " normalized" if args.normalize else ""
+            print(f"{name:9s} {mode:5s}{norm}  same tensors {t_same:7.1f} us   new totals each call {t_new:7.1f} us   "
                   f"ratio {t_new / t_same:4.2f}", flush=True)  # fmt: skip
 
 
