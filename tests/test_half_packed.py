@@ -80,7 +80,7 @@ CASES = {
     # of fewer queries, long documents (several tiles a document, a partial last one)
     "12 queries of 32 tokens": ((12, 32, 64), (6, 70, 64)),
     "packed 23-token queries": ((13, 23, 64), (5, 50, 64)),
-    "a short last block": ((9, 30, 96), (7, 129, 96)),
+    "a short last block": ((9, 30, 96), (4, 129, 96)),
 }
 
 

@@ -65,7 +65,7 @@ def test_long_queries_walk_short_documents_persistently(case, few_sms, device, m
 CASES = {
     # name: (Q shape, D shape): two row blocks, the second of 72 rows; three, the last of 4 rows (queries of 65-128
     # dims: their 128-wide chunk is what the rule covers)
-    "Lq 200, dim 80": ((2, 200, 80), (5, 70, 80)),
+    "Lq 200, dim 80": ((2, 200, 80), (4, 70, 80)),
     "Lq 260, dim 96": ((2, 260, 96), (4, 129, 96)),
 }
 

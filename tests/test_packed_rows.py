@@ -174,7 +174,7 @@ def test_packed_fp32_rows_match_slots_bitwise(lq, device, monkeypatch):
 def test_packed_rows_persistent_walk(case, device, monkeypatch):
     """Programs walking several documents (one multiprocessor's worth of programs), unmasked and masked."""
     Nq, Lq, dim, _per_block, _blocks = CASES[case]
-    Q, D, qm, dm = _exact_inputs(Nq, Lq, dim, 6, 21, device, seed=11)
+    Q, D, qm, dm = _exact_inputs(Nq, Lq, dim, 3, 21, device, seed=11)
     monkeypatch.setattr(device_info, "sm_count", lambda device: 1)
     cfg = dataclasses.replace(forward_config(Lq, dim, Nq, True), persist=1)
     for masks in ((None, None), (qm, dm)):
@@ -189,7 +189,7 @@ def test_packed_rows_persistent_walk(case, device, monkeypatch):
 def test_packed_rows_in_document_chunks(device, monkeypatch):
     """Few long documents, each scanned in chunks by programs of their own (DOC_SPLIT), the chunks folded."""
     Nq, Lq, dim = 9, 23, 16
-    Q, D, qm, dm = _exact_inputs(Nq, Lq, dim, 3, 150, device, seed=21)
+    Q, D, qm, dm = _exact_inputs(Nq, Lq, dim, 3, 100, device, seed=21)
     monkeypatch.setattr(device_info, "sm_count", lambda device: 64)
     monkeypatch.setattr(launch_settings, "DOC_SPLIT_MIN_TILES", 1)
     # (the table packs no launch this small on 64 multiprocessors: the kernel's chunked path is tested regardless)
