@@ -53,10 +53,18 @@ ROWS_AT = 6  # where the packed queries' row count is among a forward plan's int
 _combine_chunks = Launcher(doc_chunks.combine_chunks_kernel)
 
 
+def card_bound(table: tuple[tuple[str, float], ...], name: str, default: float) -> float:
+    """The bound that a setting of ``(part of a card's name, bound)`` pairs gives the card ``name``, else
+    ``default``."""
+    for part, bound in table:
+        if part in name:
+            return bound
+    return default
+
+
 def once_read_table_l2(device: torch.device) -> float:
     """The card's ONCE_READ_TABLE_L2 bound (infinite for a card the table does not name)."""
-    name = device_info.card_name(device)
-    return next((bound for key, bound in settings.ONCE_READ_TABLE_L2 if key in name), float("inf"))
+    return card_bound(settings.ONCE_READ_TABLE_L2, device_info.card_name(device), math.inf)
 
 
 def documents_key(D: Tensor, packed: bool, scan_by_bytes: bool) -> tuple:
@@ -75,10 +83,10 @@ def documents_key(D: Tensor, packed: bool, scan_by_bytes: bool) -> tuple:
 def bytes_class(D: Tensor) -> tuple[bool, ...]:
     """Which side of each bound in L2 sizes that :func:`half_packed_blocks` and :func:`once_read_scan` compare the
     documents' bytes with ``D``'s bytes lie, each compared as there: what of ``D``'s size a scores-only plan reads."""
-    l2s = l2_sizes(D)
-    name = device_info.card_name(D.device)
-    half = next((b for key, b in settings.PACKED_SCORES_HALF_L2 if key in name), 0.0)
-    table = once_read_table_l2(D.device)
+    l2s = l2_sizes(D)  # (~1.5 us of host time in all, a repeated call's key included: the bounds are not cached,
+    name = device_info.card_name(D.device)  # since tests and tuning change the settings and the card's stand-ins)
+    half = card_bound(settings.PACKED_SCORES_HALF_L2, name, 0.0)
+    table = card_bound(settings.ONCE_READ_TABLE_L2, name, math.inf)
     lo, hi = settings.STREAM_L2_RANGE
     return (l2s > half, l2s > table, l2s > min(table, settings.ONCE_READ_WIDE_TABLE_L2), lo <= l2s, l2s <= hi)
 
@@ -94,8 +102,7 @@ def half_packed_blocks(cfg: ForwardConfig, D: Tensor) -> ForwardConfig | None:
     more: halving a single block adds a pass over the documents, and with normalize=True their norms' pre-pass.)"""
     if D.element_size() != 2:
         return None
-    name = device_info.card_name(D.device)
-    bound = next((b for key, b in settings.PACKED_SCORES_HALF_L2 if key in name), 0.0)
+    bound = card_bound(settings.PACKED_SCORES_HALF_L2, device_info.card_name(D.device), 0.0)
     if l2_sizes(D) > bound:
         return None
     return half_packed_config(cfg)
