@@ -204,7 +204,7 @@ def project(gQ: Tensor | None, Q: Tensor, gD: Tensor | None, D: Tensor) -> tuple
         ints = (x1.shape[0], n2, x1.stride(0), x2.stride(0), x1.shape[-1], p1)
         tensors = (x1, g1, o1, x2, g2, o2)
         plan = _plan_cache("project", tensors, ints)
-        # (a gradient's alignment is read, not assumed: project is a public helper, its callers' buffers any views)
+        # (the gradients' alignment is read, not assumed: a caller may hand over views into a larger buffer)
         _project(grid, tensors, ints, _constexprs(x1.shape[-1]), 4, plan_cache=plan, foreign=(x1, g1, x2, g2))
     it = iter(outs)
     return (None if gQ is None else next(it)), (None if gD is None else next(it))
