@@ -365,7 +365,7 @@ def test_masked_tokens_norms_read_but_dropped(lq, device, monkeypatch, any_size)
     valid tokens'. The reference's scores either way."""
     monkeypatch.setattr(launch_settings, "PRENORM_MIN_ROW_BLOCKS", 1)
     monkeypatch.setattr(launch_settings, "PRENORM_MIN_QUERY_BLOCKS", 1)
-    Q, D, d_mask = _poisoned((3, lq, 64), (1, 6, 90, 64), device)
+    Q, D, d_mask = _poisoned((3, lq, 64), (1, 5, 90, 64), device)
     D[0, 3][~d_mask[0, 3]] = float("nan")
     kernels_on(device)
 
