@@ -78,6 +78,13 @@ def keep_under_interpreter(keep: bool, backend: str, device: str | torch.device)
         pytest.skip("Triton interpreter: this combination is covered by the GPU run (CI keeps a subset)")
 
 
+def alternate_under_interpreter(case: int, variant: int, device: str | torch.device) -> None:
+    """Under the Triton interpreter, case ``case`` (an index) runs only the variants (an index into its flags'
+    combinations) of its own parity, the parity alternating from case to case, so that each variant still runs on
+    about half the cases; on a GPU every one runs (``keep_under_interpreter``'s rules)."""
+    keep_under_interpreter((case + variant) % 2 == 0, "triton", device)
+
+
 def general_cpu_path_only(monkeypatch) -> None:
     """Ragged CPU calls past the small-problem path (:mod:`maxsim.cpu_small`, its bounds set below every problem) and
     the by-document path (:mod:`maxsim.cpu_by_document`): for the tests of the general path's own pieces, whose cases

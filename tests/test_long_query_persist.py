@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import INTERPRET, assert_plans_agree, forward_launches, kernels_on, poisoned_documents
+from helpers import (
+    INTERPRET,
+    alternate_under_interpreter,
+    assert_plans_agree,
+    forward_launches,
+    kernels_on,
+    poisoned_documents,
+)
 
 from maxsim import maxsim
 from maxsim.kernels import device_info, launch_forward, launch_settings
@@ -77,6 +84,7 @@ def test_persistent_long_queries_compute_what_one_program_a_document_computes(
 ):
     """The same scores either way, bit for bit (the same tiles in the same order), and on integer tokens exactly the
     reference's; NaN in a masked token never read, NaN in a valid one poisons its document's scores."""
+    alternate_under_interpreter(list(CASES).index(case), masked, device)
     q_shape, d_shape = CASES[case]
     Q, D, d_mask = poisoned_documents(q_shape, d_shape, dtype=DTYPE, device=device, masked=masked)
     kernels_on(device)

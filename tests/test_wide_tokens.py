@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import check_parity, make_inputs, randn, triton_usable
+from helpers import alternate_under_interpreter, check_parity, make_inputs, randn, triton_usable
 
 import maxsim
 from maxsim import reference
 from maxsim.backend import choose_impl
 from maxsim.kernels import configs, launch_backward, launch_settings
+
+LAYOUTS = ["cross", "candidates", "pairs"]
 
 
 @pytest.mark.parametrize("fp32", [False, True])
@@ -87,13 +89,14 @@ def test_the_kernels_take_wide_tokens(dtype, dim, layout, lq, normalize, device)
         check_parity(inputs, normalize=normalize, backward="deterministic")
 
 
-@pytest.mark.parametrize("layout", ["cross", "candidates", "pairs"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(("dtype", "dim", "lq"), [(torch.bfloat16, 300, 23), (torch.float32, 384, 130)])
 def test_the_dim_loop_matches_the_reference(dtype, dim, lq, layout, device):
     """The wide tokens' loop under the interpreter too (CI): masks with holes, long queries split into row blocks,
     the normalized scores with the tiles' own norms, both backwards."""
     if not triton_usable(device):
         pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
+    alternate_under_interpreter(LAYOUTS.index(layout), dtype == torch.float32, device)
     assert configs.wide(dim)
     inputs = make_inputs(layout, 3, 2, lq, 70, dim, dtype=dtype, device=device, seed=dim + lq, masks="holes")
     with maxsim.backend("triton"):
