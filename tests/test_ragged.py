@@ -52,7 +52,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import maxsim
-from maxsim import reference
+from maxsim import layout, reference
 
 INDEX_DTYPES = {"int32": torch.int32, "int64": torch.int64}
 ALL_DTYPES = {**DTYPES, "fp64": torch.float64}
@@ -674,6 +674,54 @@ def test_pair_scan_and_index_agree_bitwise(backward, device, monkeypatch):
         assert torch.equal(grads[0][0], grads[1][0]), "dQ: scan and index differ"
     else:
         torch.testing.assert_close(grads[0][0], grads[1][0])
+
+
+@pytest.mark.parametrize("size", ["short", "across-chunks"])
+def test_pair_scan_dq_walk_in_groups_matches_one_pair_at_a_time(size, device, monkeypatch):
+    """The scanning dQ walk picks its query's pairs out ``PAIR_SCAN_DQ_UNROLL`` at a time: dQ bitwise equal to the
+    walk of one pair at a time (the same pair order), with pair counts that are no multiple of the group (1 to 9 a
+    query), a query in no pair, a NaN upstream gradient on one pair, a document token that every token of a query
+    chooses (its partial sums' order shows in the rounding) and, past ``SCAN`` pair ids, a query whose pairs lie in
+    two chunks of the scan; and the reference's gradients."""
+    if not triton_usable(device):
+        pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
+    keep_under_interpreter(size == "short", "triton", device)  # (over a thousand pairs: minutes interpreted)
+    from maxsim.kernels import backward as backward_kernels
+    from maxsim.kernels import launch_backward, launch_forward, launch_settings
+
+    counts = (1, 2, 0, 3, 4, 5, 9)  # pairs of queries 0..6 (query 2 in none)
+    pairs = [(q, (3 * q + i) % 4) for q, n in enumerate(counts) for i in range(n)]
+    if size == "across-chunks":  # query 0 again after SCAN other pairs, its pairs now in both chunks
+        pairs += [(1 + i % 6, i % 4) for i in range(backward_kernels.SCAN - len(pairs) + 3)] + [(0, 1), (0, 3)]
+    pairs = tuple(pairs[i] for i in itertools.chain(range(1, len(pairs), 2), range(0, len(pairs), 2)))  # (shuffled)
+    case = Ragged((9, 3, 17, 1, 12, 30, 5), (20, 1, 8, 33), pairs=pairs, dim=16, backward="deterministic",
+                  return_argmax=False)  # fmt: skip
+    b = build(case, device)
+    grad = upstream_grad((len(pairs),), seed=7, device=device)
+    grad[len(pairs) // 2] = float("nan")
+    grads, unrolls = [], []
+    with maxsim.backend("triton"):
+        for unroll in (1, launch_settings.PAIR_SCAN_DQ_UNROLL):
+            monkeypatch.setattr(launch_settings, "PAIR_SCAN_DQ_UNROLL", unroll)
+            launch_forward.plans.clear()  # (a repeated step keeps its backward's plan: start afresh)
+            launch_backward.plans.clear()
+            Q, D = b.Q.detach().clone().requires_grad_(), b.D.detach().clone().requires_grad_()
+            lib_call(case, b, Q, D).backward(grad)
+            grads.append((Q.grad, D.grad))
+            (plan,) = launch_backward.plans.values()
+            assert plan.main[2]["SCAN_Q"], "the case must take the scanning dQ walk"
+            unrolls.append(plan.main[2]["UNROLL"])
+    assert unrolls[0] == 1 < unrolls[1]
+    # (wider query rows walk one pair at a time: grouped, they spilled)
+    wide = torch.zeros(int(b.cu_q[-1]), 300, dtype=torch.bfloat16, device=device)
+    rg = layout.Ragged(b.cu_q, b.cu_q, b.pair_q, b.pair_q, max(case.q_lens), max(case.q_lens))
+    _key, plan = launch_backward.backward_plan_of(grad.float(), wide, wide, False, True, rg, None)
+    assert plan.main[2]["SCAN_Q"] and plan.main[2]["UNROLL"] == 1
+    torch.testing.assert_close(grads[1][0], grads[0][0], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(grads[1][1], grads[0][1], rtol=0, atol=0, equal_nan=True)
+    assert grads[1][0].isnan().any() and not grads[1][0].isnan().all()  # (the NaN pair's query rows only)
+    with maxsim.backend("triton"):
+        check_ragged(case, device)  # (the grouped walk against the float64 reference)
 
 
 @pytest.mark.parametrize("listed", [8, 9, 13])

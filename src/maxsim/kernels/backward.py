@@ -130,13 +130,31 @@ def _dq_program(
                 n_mine = tl.sum(mine.to(tl.int32), 0)
                 if n_mine > 0:  # most chunks hold none of this query's pairs: skip the scan and the extraction
                     rank = tl.cumsum(mine.to(tl.int32), 0)
-                    for h in range(0, n_mine):
-                        p = tl.sum(tl.where(mine & (rank == h + 1), cols, 0), 0).to(tl.int64)
-                        acc = _dq_add(
-                            acc, p, tl.load(PD + p).to(tl.int64), b, t, t_ok, kd, kd_ok, G, ARG, D, INV_D, DSEG,
-                            K, Lq, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, sg, p >= 0, BT, D_KIND,
-                            NORMALIZE,
-                        )  # fmt: skip
+                    if UNROLL == 1:
+                        for h in range(0, n_mine):
+                            p = tl.sum(tl.where(mine & (rank == h + 1), cols, 0), 0).to(tl.int64)
+                            acc = _dq_add(
+                                acc, p, tl.load(PD + p).to(tl.int64), b, t, t_ok, kd, kd_ok, G, ARG, D, INV_D,
+                                DSEG, K, Lq, Ld, n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, sg, p >= 0, BT,
+                                D_KIND, NORMALIZE,
+                            )  # fmt: skip
+                    else:
+                        # UNROLL pairs a step, their ids picked out by one reduction and their documents by one
+                        # load, so that their loads are in flight together (one at a time, each pair waited for
+                        # its pick, its document id, its offsets and its rows in turn). The same pair order.
+                        slots = tl.arange(0, UNROLL)
+                        for h0 in range(0, n_mine, UNROLL):
+                            pick = mine[None, :] & (rank[None, :] == h0 + 1 + slots[:, None])
+                            ps = tl.sum(tl.where(pick, cols[None, :], 0), 1)  # (0, a real pair, past n_mine)
+                            docs = tl.load(PD + ps)
+                            for j in tl.static_range(UNROLL):
+                                p = tl.sum(tl.where(slots == j, ps, 0), 0).to(tl.int64)
+                                doc = tl.sum(tl.where(slots == j, docs, 0), 0).to(tl.int64)
+                                acc = _dq_add(
+                                    acc, p, doc, b, t, t_ok, kd, kd_ok, G, ARG, D, INV_D, DSEG, K, Lq, Ld,
+                                    n_dseq, n_drows, sd_b, sd_k, sd_l, sds_b, sds_k, sg, h0 + j < n_mine, BT,
+                                    D_KIND, NORMALIZE,
+                                )  # fmt: skip
         else:
             if PAIR_LIST:
                 e_lo = tl.load(QOFF + q).to(tl.int64)

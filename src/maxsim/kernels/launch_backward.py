@@ -283,6 +283,8 @@ def _backward_plan(
     # The atomics' programs do not mind the gather's registers (H100, backward GPU time with the atomics in the
     # launch, UNROLL 4 vs 1: 256x256 Ld300 424 vs 458 us, 32x32 Lq1024 204 vs 202, 64x64 Ld1024 65 vs 56).
     unroll = settings.FUSED_DQ_UNROLL if n_dd else settings.DQ_UNROLL
+    if scan_q:  # (the scanning walk picks its pairs out in groups: see backward.py)
+        unroll = settings.PAIR_SCAN_DQ_UNROLL if cfg.DIM_P <= settings.PAIR_SCAN_DQ_UNROLL_MAX_DIM else 1
     main = (
         n_dq + n_dd + n_dsc,
         (*ints, n_dq, dq_splits, ks_len, Q.numel(), sc_lo, sc_n),
@@ -411,7 +413,7 @@ def backward_plan_of(
         settings.DQ_SPLIT_PROGRAMS_PER_SM, settings.SHARED_OWNER_MAX_WORK, settings.SHARED_OWNER_MAX_ROWS,
         settings.FUSED_SCATTER, settings.SCATTER_BUFFER_MAX_BYTES, settings.SCATTER_CHUNK_BYTES,
         settings.SCATTER_CHUNK_MIN_LINKS, settings.SCATTER_DOCS, settings.SORTED_DD_MIN_LINKS, settings.SORTED_DD_WARPS,
-        settings.WIDE_ATOMICS_BT,
+        settings.WIDE_ATOMICS_BT, settings.PAIR_SCAN_DQ_UNROLL, settings.PAIR_SCAN_DQ_UNROLL_MAX_DIM,
         dd_gather.CHUNK,
     )  # fmt: skip
     plan = plans.get(key)

@@ -90,6 +90,11 @@ DQ_SPLIT_PROGRAMS_PER_SM = 2
 # atomics (see _backward_plan).
 DQ_UNROLL = 4
 FUSED_DQ_UNROLL = 1
+# Pairs a short pair list's scanning dQ walk (PAIR_SCAN) picks out and gathers per step (1: one at a time), for
+# query rows of up to PAIR_SCAN_DQ_UNROLL_MAX_DIM dims (wider ones spill: ptxas, bf16 at 256 dims 0 -> 24 bytes,
+# at 1024 dims 8 -> 888; at 64 and 128 dims the same registers).
+PAIR_SCAN_DQ_UNROLL = 4
+PAIR_SCAN_DQ_UNROLL_MAX_DIM = 128
 # The dD owner builds its 0/1 selector in the MMA's register layout (backward.py's REG_SEL) where that measured faster
 # (see _register_selector; 0: never, for tools/knobs.py and the tests).
 REGISTER_SELECTOR = 1
