@@ -509,6 +509,40 @@ def test_repeated_steps_in_one_graph(triton_only, plan_keys, device):
         torch.testing.assert_close(a.double(), w, rtol=0, atol=0)
 
 
+def _leftover_wrapper(x):
+    """``x`` as a torch.func wrapper that outlived its transform (a closure kept it): it requires grad, and has no
+    storage of its own (the plain tensor under it has)."""
+    kept = []
+
+    def f(t):
+        kept.append(t)
+        return t.sum()
+
+    torch.func.grad(f)(x.detach().clone().requires_grad_())
+    assert torch._C._functorch.is_functorch_wrapped_tensor(kept[0])
+    return kept[0]
+
+
+@pytest.mark.parametrize("path", ["triton", "cpu"])
+def test_a_repeated_step_of_a_leftover_torch_func_wrapper_trains_as_the_plain_tensor(path, plan_keys, device):
+    """A repeated step launches through the C ``apply`` (``ops._direct_apply``), which does not unwrap tensors left
+    over from a finished transform: those take ``Function.apply``, which does (the kernels cannot read a wrapper)."""
+    if path == "triton" and not triton_usable(device):
+        pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
+    if path == "cpu" and torch.device(device).type != "cpu":
+        pytest.skip("the PyTorch path's repeated step is a CPU one")
+    Q, D = _inputs(device, dtype=torch.float32)
+    g = int_grid((3, 4), seed=3, device=device)
+    with maxsim.backend(path if path == "triton" else "torch"):
+        for _ in range(2):
+            _train(maxsim.maxsim, Q, D, g)  # (the signature filed, then repeated)
+        W, Dg = _leftover_wrapper(Q), D.clone().requires_grad_()
+        s = maxsim.maxsim(W, Dg)
+        # (Function.apply records the unwrapped tensor as the input, as for any autograd.Function)
+        dW, dD = torch.autograd.grad(s, (torch._C._functorch.get_unwrapped(W), Dg), g)
+    _assert_step_equal((s.detach(), dW, dD), _reference_train(maxsim_reference, Q, D, g))
+
+
 def test_step_entries_go_with_the_plans(triton_only, plan_keys, backward_plans, device):
     """Clearing the forward plans clears the step entries; clearing the backward plans, their backward plans."""
     from maxsim.kernels import launch_backward, launch_forward

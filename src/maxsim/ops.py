@@ -157,6 +157,24 @@ def ragged_repeat_key(
             f32)  # fmt: skip
 
 
+def _direct_apply(function: type[torch.autograd.Function]):
+    """``function.apply`` without the Python layer of :meth:`torch.autograd.Function.apply`, which binds default
+    arguments (for a ``setup_context`` these Functions do not define), routes torch.func transforms (a repeat runs
+    outside them: :func:`repeat_key`) and unwraps tensors of finished transforms (:func:`_plain_pair` sends those
+    to the full ``apply``). This CPU, a repeated small training step with the GPU's launches stubbed
+    (``tools/host_stub.py``): 5.4 µs of host time a call less (docs/performance.md v149). ``function.apply``
+    itself where this torch has no such C method."""
+    base = getattr(torch._C, "_FunctionBase", None)
+    raw = None if base is None else base.__dict__.get("apply")
+    return function.apply if raw is None else raw.__get__(None, function)
+
+
+def _plain_pair(Q: Tensor, D: Tensor) -> bool:
+    """Neither tensor is a torch.func wrapper (one left over from a finished transform)."""
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return not (wrapped(Q) or wrapped(D))
+
+
 def run_repeat(
     key: tuple, Q: Tensor, D: Tensor, q_mask: Tensor | None = None, d_mask: Tensor | None = None,
     rg: Ragged | None = None,
@@ -167,13 +185,13 @@ def run_repeat(
     if key[0] == "step":
         cpu_step = _cpu_repeats.get(key) if Q.is_cpu else None
         if cpu_step is not None:
-            return _RepeatedCpuStep.apply(Q, D, cpu_step)
+            return (_cpu_step_apply if _plain_pair(Q, D) else _RepeatedCpuStep.apply)(Q, D, cpu_step)
         step = None if _launch is None else _launch.step_plan(key)
         if step is None:
             return None
         # (one argument for what autograd need not look at: each argument of apply costs host time)
         extras = None if q_mask is None and d_mask is None and rg is None else ((q_mask, d_mask), rg)
-        return _RepeatedStep.apply(Q, D, step, extras)
+        return (_step_apply if _plain_pair(Q, D) else _RepeatedStep.apply)(Q, D, step, extras)
     run = _cpu_repeats.get(key)
     if run is not None:
         return run(Q, D)
@@ -254,6 +272,9 @@ class _RepeatedCpuStep(torch.autograd.Function):
             grad, view_as_canonical(Q, views.q), view_as_canonical(D, views.d), argmax, step.normalize, sims_sum
         )
         return view_as_given(dQ, views.q), view_as_given(dD, views.d), None
+
+
+_cpu_step_apply = _direct_apply(_RepeatedCpuStep)
 
 
 def ragged(
@@ -662,6 +683,9 @@ class _RepeatedStep(torch.autograd.Function):
         Q, D, argmax, *norms = ctx.saved_tensors
         dQ, dD = _launch.step_backward(ctx.step, grad_scores, Q, D, argmax, tuple(norms) or None, ctx.rg)
         return (*_first_order_only(dQ, dD, grad_scores, Q, D), None, None)
+
+
+_step_apply = _direct_apply(_RepeatedStep)
 
 
 def _in_views(Q: Tensor, D: Tensor, views: Views) -> tuple[Tensor, Tensor]:
