@@ -161,9 +161,9 @@ def _direct_apply(function: type[torch.autograd.Function]):
     """``function.apply`` without the Python layer of :meth:`torch.autograd.Function.apply`, which binds default
     arguments (for a ``setup_context`` these Functions do not define), routes torch.func transforms (a repeat runs
     outside them: :func:`repeat_key`) and unwraps tensors of finished transforms (:func:`_plain_pair` sends those
-    to the full ``apply``). This CPU, a repeated small training step with the GPU's launches stubbed
-    (``tools/host_stub.py``): 5.4 µs of host time a call less (docs/performance.md v149). ``function.apply``
-    itself where this torch has no such C method."""
+    to the full ``apply``). This CPU, repeated training steps with the GPU's launches stubbed (``tools/host_stub.py``'s
+    cases): 2.5-4.7 µs of host time a step less, of 54-72 (docs/performance.md v149). ``function.apply`` itself
+    where this torch has no such C method."""
     base = getattr(torch._C, "_FunctionBase", None)
     raw = None if base is None else base.__dict__.get("apply")
     return function.apply if raw is None else raw.__get__(None, function)
