@@ -573,3 +573,127 @@ def test_ragged_launches_read_each_slots_own_pointer(monkeypatch, layout, normal
     assert ("maxsim_fwd_kernel", True) in seen
     main = [p for name, p in seen if name.startswith("maxsim_bwd") and "scatter" not in name]
     assert main and all(main), seen
+
+
+def _plain_cases():
+    """(name, Q, D, views, upstream gradient, launch settings) of backward plans that are plain
+    (``BackwardPlan.plain``): the owner's and the atomics', squeezed views, a strided gradient, every dtype."""
+    from maxsim.layout import Views
+
+    Q, D = torch.randn(4, 6, 16), torch.randn(1, 5, 7, 16)
+    atomics = {"SHARED_OWNER_MAX_ROWS": 0, "SHARED_OWNER_MAX_WORK": 0}
+    return [
+        ("cross, owner", Q, D, None, torch.randn(4, 5), {}),
+        ("cross, atomics", Q, D, None, torch.randn(4, 5), atomics),
+        ("cross, atomics, bf16", Q.bfloat16(), D.bfloat16(), None, torch.randn(4, 5), atomics),
+        ("cross, owner, fp16", Q.half(), D.half(), None, torch.randn(4, 5), {}),
+        ("one query", Q[1], D, Views((0,), (), (5,)), torch.randn(5), {}),
+        ("candidates", Q, torch.randn(4, 3, 7, 16), None, torch.randn(4, 3), {}),
+        ("strided gradient", Q, D, None, torch.randn(4, 10)[:, ::2], {}),
+        ("pairs", Q, torch.randn(4, 1, 7, 16), None, torch.randn(4, 1), {}),
+    ]
+
+
+@pytest.mark.parametrize("case", _plain_cases(), ids=[c[0] for c in _plain_cases()])
+@pytest.mark.parametrize("mode", ["fast", "deterministic"])
+def test_a_plain_backward_plan_launches_as_the_general_path(monkeypatch, case, mode):
+    """``run_backward``'s short path (``BackwardPlan.plain``) makes the launch the general path makes for the same
+    plan: the same kernel, grid, integers, constexprs, options and plan cache, the same tensor in every slot (the
+    caller's where the general path passes the caller's, a fresh allocation of the same shape and dtype where it
+    allocates), the same foreign tensors and each slot's own pointer; its results the same shapes and dtypes."""
+    from maxsim.kernels import launch_args, launch_backward, launch_forward, launch_settings
+    from maxsim.layout import view_as_canonical
+
+    name, Q, D, views, grad, settings = case
+    for key, value in settings.items():
+        monkeypatch.setattr(launch_settings, key, value)
+    launches: list = []
+
+    def record(self, grid, tensors, ints, constexprs, num_warps, num_stages=3, plan_cache=None, maxnreg=0,
+               foreign=None, pointers=None):  # fmt: skip
+        check_pointers(tensors, pointers)
+        launches.append((self.kernel.__name__, grid, tensors, ints, dict(constexprs), num_warps, num_stages,
+                         plan_cache, maxnreg, foreign, tensors[7].clone()))  # fmt: skip
+
+    monkeypatch.setattr(launcher.Launcher, "__call__", record)
+    monkeypatch.setattr(launch_args, "INTERPRETER", False)
+    monkeypatch.setattr(launch_forward, "plans", {})
+    monkeypatch.setattr(launch_backward, "plans", {})
+    Qc, Dc = (Q, D) if views is None else (view_as_canonical(Q, views.q), view_as_canonical(D, views.d))
+    _scores, argmax, _norms = launch_forward.forward_keeping_norms(Q, D, None, None, False, True, views=views)
+    g = grad.float()
+    deterministic = mode == "deterministic"
+    results = []
+    for plain in (True, False):
+        launches.clear()
+        if not plain:  # (the same plan, through the general path)
+            (key,) = launch_backward.plans
+            launch_backward.plans[key] = launch_backward.plans[key]._replace(plain=False)
+        results.append(launch_backward.backward(g, Q, D, argmax, False, deterministic, views=views))
+        if plain:
+            (plan,) = launch_backward.plans.values()
+            assert plan.plain, name
+            assert plan.dd_owned == (deterministic or not settings), name
+        results.append(list(launches))
+
+    def roles(tensors, fresh):
+        known = {id(g): "grad", id(argmax): "argmax", id(Q): "Q", id(D): "D", id(Qc): "Q", id(Dc): "D"}
+        out = []
+        for t in tensors:
+            if id(t) in known:
+                out.append(known[id(t)])
+            else:
+                fresh.append(t)
+                out.append(("fresh", tuple(t.shape), t.dtype, t.stride()))
+        return out
+
+    short, general = results[1], results[3]
+    assert [x[0] for x in short] == [x[0] for x in general] == ["maxsim_bwd_kernel"]
+    for a, b in zip(short, general, strict=True):
+        fresh_a, fresh_b = [], []
+        assert roles(a[2], fresh_a) == roles(b[2], fresh_b)
+        assert a[1] == b[1] and a[3:7] == b[3:7] and a[8] == b[8]
+        assert a[7] is b[7] is not None  # (the plan's launch cache)
+        assert roles(a[9], []) == roles(b[9], []) == ["grad", "argmax", "Q", "D"]
+        assert len(fresh_a) == 2  # (dQ and dD's buffer)
+        if not plan.dd_owned:  # (the atomics add into it: zeroed before the launch)
+            assert not a[10].any() and not b[10].any()
+    for out, launch in ((results[0], short[0]), (results[2], general[0])):  # (what comes back is what was written,
+        # or its cast)
+        assert [x is t for x, t in zip(out, launch[2][6:8], strict=True)] == [
+            t.dtype == want.dtype for t, want in zip(launch[2][6:8], (Q, D), strict=True)
+        ]
+    for x, y in zip(results[0], results[2], strict=True):
+        assert (x.shape, x.dtype, x.stride()) == (y.shape, y.dtype, y.stride())
+
+
+def test_only_dense_raw_single_launch_backward_plans_are_plain(monkeypatch):
+    """A normalized step, one whose upstream gradient is copied first, a ragged one and a split dQ walk keep the
+    general path."""
+    from maxsim.kernels import launch_args, launch_backward, launch_forward, launch_settings
+    from maxsim.layout import Ragged
+
+    monkeypatch.setattr(launcher.Launcher, "__call__", lambda self, *a, **k: None)
+    monkeypatch.setattr(launch_args, "INTERPRETER", False)
+    monkeypatch.setattr(launch_forward, "plans", {})
+    monkeypatch.setattr(launch_backward, "plans", {})
+    Q, D = torch.randn(4, 6, 16), torch.randn(1, 5, 7, 16)
+    g = torch.randn(4, 5)
+
+    def plan_of(Q, D, normalize=False, rg=None, grad=g):
+        launch_backward.plans.clear()
+        _s, argmax, norms = launch_forward.forward_keeping_norms(Q, D, None, None, normalize, True, rg)
+        launch_backward.backward(grad, Q, D, argmax, normalize, False, rg, norms)
+        (plan,) = launch_backward.plans.values()
+        return plan
+
+    assert plan_of(Q, D).plain
+    assert not plan_of(Q, D, normalize=True).plain
+    assert not plan_of(Q, D, grad=torch.randn(5, 4).t()).plain  # (made contiguous first)
+    rg = Ragged(torch.tensor([6, 2, 5, 1]), torch.tensor([[7, 3, 0, 5, 1]]), None, None, 6, 7)
+    assert not plan_of(Q, D, rg=rg).plain
+    monkeypatch.setattr(launch_settings, "DQ_SPLIT_MIN_K", 1)
+    monkeypatch.setattr(launch_settings, "DQ_SPLIT_MIN_PAIRS", 1)
+    monkeypatch.setattr(launch_settings, "DQ_SPLIT_PROGRAMS_PER_SM", 1 << 10)
+    split = plan_of(Q, torch.randn(1, 64, 7, 16), grad=torch.randn(4, 64))
+    assert split.dq_splits > 1 and not split.plain
