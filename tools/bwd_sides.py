@@ -59,6 +59,8 @@ def sides(launch: tuple, maxnreg: int = 0) -> dict:
         kw["maxnreg"] = maxnreg
     rest = rest[:1]  # (num_stages; no plan cache: the cut launches are other integer signatures)
     n_dq = ints[N_DQ_AT]
+    if constexprs["DQ_GATHER"] != (n_dq > 0) or not 0 <= n_dq <= grid:  # (the integers' layout has moved)
+        raise SystemExit(f"n_dq at {N_DQ_AT} reads {n_dq}: not the launch's dQ program count (grid {grid})")
 
     def run(g: int, i: tuple):
         return lambda: launch_backward._bwd(g, tensors, i, constexprs, *rest, **kw)
