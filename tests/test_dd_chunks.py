@@ -6,9 +6,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_matches_reference, check_parity, lib_forward_backward, make_inputs, seed_of, triton_usable
+from helpers import (
+    assert_matches_reference,
+    check_parity,
+    generator,
+    lib_forward_backward,
+    make_inputs,
+    ref_forward_backward,
+    seed_of,
+    triton_usable,
+)
 
 import maxsim
+from maxsim.kernels.sizes import cdiv
 
 
 @pytest.mark.parametrize("fused", [1, 0], ids=["first-chunk-in-gather-launch", "own-launches"])
@@ -111,6 +121,88 @@ def test_no_chunks_for_a_buffer_under_the_cap(device, monkeypatch):
         check_parity(inp, backward="fast")
     assert len(next(iter(launch_backward.plans.values())).dd_chunks) == 2
     launch_backward.plans.clear()
+
+
+@pytest.mark.parametrize("k", [1, 5, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_atomics_cast_their_groups_in_their_launch(k, dtype, device, monkeypatch):
+    """FUSED_CAST: programs of the atomics' launch cast each group of documents' fp32 sums into dD once the group's
+    atomics are done. On integer tokens and an integer upstream gradient every fp32 sum is exact in any order, so dD
+    is the float64 reference's rounded once, bit for bit (a block cast before the last atomic into it lands
+    differs); so is a cast launch's (FUSED_CAST off). Groups of 2 documents: odd and even document counts
+    (the last group short), one document. On a GPU, at the bench's size (64 x 64 Lq23 Ld333 dim 96: 1472 query
+    tokens' programs into each group), three times."""
+    if not triton_usable(device):
+        pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
+    from maxsim.kernels import launch_backward, launch_settings
+
+    monkeypatch.setattr(launch_settings, "SHARED_OWNER_MAX_WORK", 0)
+    monkeypatch.setattr(launch_settings, "SHARED_OWNER_MAX_ROWS", 0)
+    gpu = device != "cpu"
+    nq, lq, ld, dim = (64, 23, 333, 96) if gpu else (3, 20, 6, 32)
+    inp = make_inputs("cross", nq, 8 * k if gpu else k, lq, ld, dim, dtype=dtype, device=device, masks="holes",
+                      exact=True, seed=seed_of("cast last", k))  # fmt: skip
+    grad = torch.randint(-3, 4, (nq, inp.D.shape[-3]), generator=generator(seed_of("cast last grad", k)))
+    grad = grad.float().to(device)
+    _rs, rdQ, rdD = ref_forward_backward(inp, grad)
+    results = []
+    for fused_cast in (1, 0):
+        monkeypatch.setattr(launch_settings, "FUSED_CAST_MAX_PROGRAMS", fused_cast << 15)
+        for _ in range(3 if gpu and fused_cast else 1):
+            launch_backward.plans.clear()
+            with maxsim.backend("triton"):
+                _s, dQ, dD, _g = lib_forward_backward(inp, backward="fast", grad=grad)
+            (plan,) = launch_backward.plans.values()
+            assert plan.cast_counters == (cdiv(inp.D.shape[-3], 2) if fused_cast else 0)
+            assert not plan.dd_owned and plan.dd_sc is None and not plan.dd_chunks
+            assert dD.dtype == dtype and torch.equal(dD, rdD.to(dtype)), "dD is not the exact sums rounded once"
+            assert torch.equal(dQ, rdQ.to(dtype))
+            results.append(dD)
+    launch_backward.plans.clear()
+    assert torch.equal(results[0], results[-1])
+
+
+def test_atomics_cast_their_groups_only_where_a_cast_launch_would_follow(device, monkeypatch):
+    """No FUSED_CAST where nothing is cast (fp32 tokens: the atomics add into dD), where normalize's projection reads
+    the buffer, for packed documents (a group's rows come from offsets that may be invalid: a cast launch covers
+    every row whatever they hold), for a chunked dD (whose chunks' casts are launches' programs already) and for
+    atomics of more than FUSED_CAST_MAX_PROGRAMS programs."""
+    if not triton_usable(device):
+        pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
+    from maxsim.kernels import launch_backward, launch_settings
+
+    monkeypatch.setattr(launch_settings, "SHARED_OWNER_MAX_WORK", 0)
+    monkeypatch.setattr(launch_settings, "SHARED_OWNER_MAX_ROWS", 0)
+    bf16 = torch.bfloat16
+
+    def counters(dtype=bf16, normalize=False, packed=False) -> int:
+        inp = make_inputs("cross", 2, 3, 5, 6, 32, dtype=dtype, device=device, seed=seed_of("cast last where"))
+        launch_backward.plans.clear()
+        with maxsim.backend("triton"):
+            if packed:
+                Q, D = inp.Q.reshape(-1, 32), inp.D.reshape(-1, 32).detach().requires_grad_()
+                cu_q = torch.arange(0, 11, 5, dtype=torch.int32, device=device)
+                cu_d = torch.arange(0, 19, 6, dtype=torch.int32, device=device)
+                s = maxsim.maxsim_varlen(Q, D, cu_q, cu_d, max_seqlen_q=5, max_seqlen_d=6, backward="fast")
+                torch.autograd.grad(s.sum(), D)
+            else:
+                check_parity(inp, normalize=normalize, backward="fast", seed=4)
+        (plan,) = launch_backward.plans.values()
+        launch_backward.plans.clear()
+        return plan.cast_counters
+
+    assert counters() == 2  # (2 groups of documents)
+    assert counters(torch.float32) == counters(normalize=True) == counters(packed=True) == 0
+    # (atomics of 2 queries x 1 token block x 2 groups: 4 programs)
+    monkeypatch.setattr(launch_settings, "FUSED_CAST_MAX_PROGRAMS", 4)
+    assert counters() == 2
+    monkeypatch.setattr(launch_settings, "FUSED_CAST_MAX_PROGRAMS", 3)
+    assert counters() == 0
+    monkeypatch.setattr(launch_settings, "FUSED_CAST_MAX_PROGRAMS", 1 << 15)
+    monkeypatch.setattr(launch_settings, "SCATTER_BUFFER_MAX_BYTES", 0)
+    monkeypatch.setattr(launch_settings, "SCATTER_CHUNK_BYTES", 6 * 32 * 4)
+    monkeypatch.setattr(launch_settings, "SCATTER_CHUNK_MIN_LINKS", 0)
+    assert counters() == 0
 
 
 @pytest.mark.parametrize("K", [1, 2, 3, 4, 7, 64, 256, 1000])

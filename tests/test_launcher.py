@@ -655,14 +655,17 @@ def test_a_plain_backward_plan_launches_as_the_general_path(monkeypatch, case, m
         assert a[1] == b[1] and a[3:7] == b[3:7] and a[8] == b[8]
         assert a[7] is b[7] is not None  # (the plan's launch cache)
         assert roles(a[9], []) == roles(b[9], []) == ["grad", "argmax", "Q", "D"]
-        assert len(fresh_a) == 2  # (dQ and dD's buffer)
+        assert len(fresh_a) == (3 if plan.cast_counters else 2)  # (dQ and dD's buffer; dD too where cast in it)
         if not plan.dd_owned:  # (the atomics add into it: zeroed before the launch)
             assert not a[10].any() and not b[10].any()
     for out, launch in ((results[0], short[0]), (results[2], general[0])):  # (what comes back is what was written,
-        # or its cast)
-        assert [x is t for x, t in zip(out, launch[2][6:8], strict=True)] == [
-            t.dtype == want.dtype for t, want in zip(launch[2][6:8], (Q, D), strict=True)
+        # or its cast: dD in the launch's own slot where it casts the buffer, FUSED_CAST)
+        written = launch[2][6], launch[2][8 if plan.cast_counters else 7]
+        assert [x is t for x, t in zip(out, written, strict=True)] == [
+            t.dtype == want.dtype for t, want in zip(written, (Q, D), strict=True)
         ]
+        if plan.cast_counters:
+            assert launch[2][7].shape == (D.numel() + plan.cast_counters,) and launch[4]["FUSED_CAST"]
     for x, y in zip(results[0], results[2], strict=True):
         assert (x.shape, x.dtype, x.stride()) == (y.shape, y.dtype, y.stride())
 

@@ -50,6 +50,11 @@ HELD = tl.constexpr(8)  # pair ids of a document a scanning walk keeps in regist
 WALK_QUERIES: tl.constexpr = tl.constexpr(0)  # how a dD walk finds its entries (see _dd_load)
 WALK_CSR: tl.constexpr = tl.constexpr(1)
 WALK_PAIRS: tl.constexpr = tl.constexpr(2)
+# Elements of dD each cast program of a FUSED_CAST launch rounds, in steps of 4 loads of 16 bytes a thread of 4
+# warps: registers within those of the atomics' programs beside them (8192 at once: 66 registers against 40 for
+# the atomics alone, 7 programs a multiprocessor instead of 12).
+FUSED_CAST_BLOCK = tl.constexpr(2048)
+FUSED_CAST_STEPS = tl.constexpr(4)
 
 
 @triton.jit
@@ -322,6 +327,53 @@ def _dd_atomics_program(
         d_base -= k_lo * sgd_k  # (the chunk's buffer)
         mask = (a >= 0)[:, None] & kd_ok[None, :]
         tl.atomic_add(d_base + a[:, None] * sgd_l + kd[None, :], rows * w[:, None], mask=mask, sem="relaxed")
+
+
+@triton.jit
+def _scatter_and_cast(
+    pid, G, ARG, Q, GD, GD_OUT, INV_Q, QSEG, DSEG, Nq, K, Lq, Ld, dim, n_qseq, n_qrows, n_dseq, n_drows,
+    sq_n, sq_l, sgd_b, sgd_k, sgd_l, sqs, sds_b, sds_k, sg, n_tb,
+    BT: tl.constexpr, DIM_P: tl.constexpr, Q_KIND: tl.constexpr, D_KIND: tl.constexpr, NORMALIZE: tl.constexpr,
+    DOCS: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr,
+):  # fmt: skip
+    """Program ``pid`` of a dense cross product's dD atomics over all ``K`` documents (``GD`` a fresh contiguous
+    fp32 buffer) followed, in the same launch, by programs that cast the sums into ``GD_OUT`` (D's dtype,
+    contiguous): no cast launch after the backward's.
+
+    Programs ``[0, Nq * n_tb * cdiv(K, DOCS))`` are the atomics' (:func:`_dd_atomics_program`); each then counts itself
+    done in its group of ``DOCS`` documents (int32 counters after the buffer's ``K * Ld * dim`` elements, in its zeroed
+    allocation). The rest cast ``STEPS`` blocks of ``BLOCK`` elements of one group each, once the group's ``Nq * n_tb``
+    programs have counted. A caster waits only for programs of lower ids, which the GPU starts before it (the order a
+    single-pass scan's look-back relies on too), so none waits for a program that cannot start. Ordering, as in a
+    split-K semaphore: a program's atomics precede the barrier, then its count is released (gpu scope); a caster
+    acquires the count, then reads the sums from L2 (``.cg``: another group's rows in the same lines may sit in its
+    L1)."""
+    n_grp = tl.cdiv(K, DOCS)
+    group_programs = Nq * n_tb
+    counters = (GD + K.to(tl.int64) * Ld * dim).to(tl.pointer_type(tl.int32))
+    if pid < n_grp * group_programs:
+        _dd_atomics_program(
+            pid, G, ARG, Q, GD, INV_Q, QSEG, DSEG, K, Lq, Ld, dim, n_qseq, n_qrows, n_dseq, n_drows,
+            sq_n, sq_l, sgd_b, sgd_k, sgd_l, sqs, sds_b, sds_k, sg, n_tb, 0, K, BT, DIM_P, Q_KIND, D_KIND,
+            NORMALIZE, DOCS,
+        )  # fmt: skip
+        tl.debug_barrier()
+        tl.atomic_add(counters + (pid // n_tb) % n_grp, 1, sem="release", scope="gpu")
+    else:
+        doc_elems = Ld.to(tl.int64) * dim
+        per_group = tl.cdiv(DOCS * doc_elems, BLOCK * STEPS)
+        c = (pid - n_grp * group_programs).to(tl.int64)
+        grp = c // per_group
+        start = grp * DOCS * doc_elems + (c % per_group) * (BLOCK * STEPS)
+        end = tl.minimum(grp * DOCS + DOCS, K) * doc_elems
+        done = tl.atomic_add(counters + grp, 0, sem="acquire", scope="gpu")
+        while done < group_programs:
+            done = tl.atomic_add(counters + grp, 0, sem="acquire", scope="gpu")
+        for i in range(STEPS):  # (a loop, not unrolled: the cast's registers stay under the atomics' programs')
+            offs = start + i * BLOCK + tl.arange(0, BLOCK)
+            ok = offs < end
+            x = tl.load(GD + offs, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.store(GD_OUT + offs, x.to(GD_OUT.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -612,7 +664,7 @@ def _dd_program(
     ]
 )  # fmt: skip
 def maxsim_bwd_kernel(
-    G, ARG, Q, D, INV_Q, INV_D, DQ, GD, QSEG, DSEG, PQ, PD, QOFF, QPERM, DOFF, DPERM,
+    G, ARG, Q, D, INV_Q, INV_D, DQ, GD, GD_OUT, QSEG, DSEG, PQ, PD, QOFF, QPERM, DOFF, DPERM,
     n_queries, Nq, K, K_dd, P, Lq, Ld, dim,
     n_qseq, n_qrows, n_dseq, n_drows,
     sq_n, sq_l,
@@ -628,6 +680,7 @@ def maxsim_bwd_kernel(
     DQ_GATHER: tl.constexpr, DD_OWNED: tl.constexpr, SCAN_Q: tl.constexpr, SCAN_D: tl.constexpr,
     DOC_WALK: tl.constexpr, DD_SCATTER: tl.constexpr, PROJECT_Q: tl.constexpr, PROJECT_D: tl.constexpr,
     DQ_SPLIT: tl.constexpr, SCATTER_DOCS: tl.constexpr, ONE_TQ: tl.constexpr, REG_SEL: tl.constexpr,
+    FUSED_CAST: tl.constexpr,
 ):  # fmt: skip
     """The gather-and-own backward in one launch: programs ``[0, n_dq)`` compute dQ by the gather (``DQ_GATHER``),
     the rest own blocks of dD (``DD_OWNED``); either side may be absent (a long pair list's dQ and the fast cross
@@ -639,7 +692,8 @@ def maxsim_bwd_kernel(
     document was scored by one of them (candidates, aligned pairs) or is found by the pair list's scan or index;
     its owner programs are one per (document, dim block), see :func:`_dd_program`. ``ONE_TQ``: ``Lq <= TQ`` (each
     query's tokens are one step of the owner's walk). ``REG_SEL``: the owner builds its selector in the MMA's
-    registers (see :func:`_dd_add`)."""
+    registers (see :func:`_dd_add`). ``FUSED_CAST`` (with ``DD_SCATTER`` over all documents): the atomics' programs
+    are followed by programs that round their fp32 sums into ``GD_OUT`` (see :func:`_scatter_and_cast`)."""
     pid = tl.program_id(0)
     # (a launch of one side tests nothing: the branch costs a dQ-only variant ~35 registers, a program per SM)
     gather = pid < n_dq if DQ_GATHER and (DD_OWNED or DD_SCATTER) else DQ_GATHER
@@ -661,8 +715,15 @@ def maxsim_bwd_kernel(
             )  # fmt: skip
         if DD_SCATTER:  # dD by fp32 atomics into GD (zeroed), beside the gather's programs (documents
             # [sc_lo, sc_lo + sc_n): all, or a chunked dD's first chunk)
-            _scatter_program(
-                pid - n_dq, G, ARG, Q, GD, INV_Q, QSEG, DSEG, PQ, PD, K, Lq, Ld, dim, n_qseq, n_qrows, n_dseq,
-                n_drows, sq_n, sq_l, sgd_b, sgd_k, sgd_l, sqs, sds_b, sds_k, sg, n_tb, sc_lo, sc_n, BT, DIM_P, Q_KIND,
-                D_KIND, PAIR_LIST, SHARED_DOCS, False, NORMALIZE, SCATTER_DOCS,
-            )  # fmt: skip
+            if FUSED_CAST:
+                _scatter_and_cast(
+                    pid - n_dq, G, ARG, Q, GD, GD_OUT, INV_Q, QSEG, DSEG, Nq, K, Lq, Ld, dim, n_qseq, n_qrows,
+                    n_dseq, n_drows, sq_n, sq_l, sgd_b, sgd_k, sgd_l, sqs, sds_b, sds_k, sg, n_tb, BT, DIM_P, Q_KIND,
+                    D_KIND, NORMALIZE, SCATTER_DOCS, FUSED_CAST_BLOCK, FUSED_CAST_STEPS,
+                )  # fmt: skip
+            else:
+                _scatter_program(
+                    pid - n_dq, G, ARG, Q, GD, INV_Q, QSEG, DSEG, PQ, PD, K, Lq, Ld, dim, n_qseq, n_qrows, n_dseq,
+                    n_drows, sq_n, sq_l, sgd_b, sgd_k, sgd_l, sqs, sds_b, sds_k, sg, n_tb, sc_lo, sc_n, BT, DIM_P,
+                    Q_KIND, D_KIND, PAIR_LIST, SHARED_DOCS, False, NORMALIZE, SCATTER_DOCS,
+                )  # fmt: skip

@@ -18,7 +18,7 @@ from . import csr as csr_kernel
 from . import dd_chunks, dd_gather, device_info, slices
 from . import launch_settings as settings
 from . import normalize as normalize_kernels
-from .backward import maxsim_bwd_kernel, maxsim_bwd_scatter_kernel
+from .backward import FUSED_CAST_BLOCK, FUSED_CAST_STEPS, maxsim_bwd_kernel, maxsim_bwd_scatter_kernel
 from .configs import BackwardConfig, backward_config, wide
 from .dd_chunks import chunk_plan, chunk_steps
 from .launch_args import (
@@ -112,6 +112,7 @@ class BackwardPlan(NamedTuple):
     launches: dict  # the launcher's plan cache of the main launch (see Launcher)
     sum_launches: dict  # the same, of the split walk's slice sum
     plain: bool  # dense, raw tokens, the main launch alone into dQ and dD allocated before it: _run_plain
+    cast_counters: int  # > 0: the main launch casts its atomics' sums into dD (FUSED_CAST), this many counters
 
 
 plans: dict[tuple, BackwardPlan] = {}
@@ -255,6 +256,13 @@ def _backward_plan(
     fused_sc = not dd_owned and not sorted_dd and bool(settings.FUSED_SCATTER)
     sc_lo, sc_n = dd_chunks[0][:2] if dd_chunks else (0, K)  # (the main launch's atomics: all, or the first chunk)
     n_dsc = _scatter_grid(Nq, sc_n, n_tb) if fused_sc else 0
+    fused_cast = (
+        fused_sc and not dd_chunks and not direct_d and not normalize and sg.d_kind != OFFSETS
+        and n_dsc <= settings.FUSED_CAST_MAX_PROGRAMS
+    )  # fmt: skip
+    n_grp = cdiv(K, settings.SCATTER_DOCS)
+    cast_elems = FUSED_CAST_BLOCK.value * FUSED_CAST_STEPS.value  # (a cast program's)
+    n_cast = n_grp * cdiv(settings.SCATTER_DOCS * Ld * dim, cast_elems) if fused_cast else 0
     steps = chunk_steps(dd_chunks, fused_sc) if dd_chunks else ()
     dd_sc = (
         None
@@ -287,12 +295,12 @@ def _backward_plan(
     if scan_q:  # (the scanning walk picks its pairs out in groups: see backward.py)
         unroll = settings.PAIR_SCAN_DQ_UNROLL if cfg.DIM_P <= settings.PAIR_SCAN_DQ_UNROLL_MAX_DIM else 1
     main = (
-        n_dq + n_dd + n_dsc,
+        n_dq + n_dd + n_dsc + n_cast,
         (*ints, n_dq, dq_splits, ks_len, Q.numel(), sc_lo, sc_n),
         dict(constexprs, UNROLL=unroll, DQ_GATHER=n_dq > 0, DD_OWNED=n_dd > 0, DD_SCATTER=n_dsc > 0,
              PROJECT_Q=project_q, PROJECT_D=project_d, DQ_SPLIT=dq_splits > 1, SCATTER_DOCS=settings.SCATTER_DOCS,
              ONE_TQ=Lq <= cfg.TQ,  # (TQ follows Lq up to 64 tokens: one more variant for longer queries, once)
-             REG_SEL=n_dd > 0 and register_selector(doc_walk, normalize, cfg, Q.dtype)),
+             REG_SEL=n_dd > 0 and register_selector(doc_walk, normalize, cfg, Q.dtype), FUSED_CAST=fused_cast),
     )  # fmt: skip
     assert main[1][MAIN_ROWS_AT - 1 : MAIN_ROWS_AT + 3] == seg_args and main[1][-3] == Q.numel()  # (with_rows)
     assert all(sc is None or sc[1][SCATTER_ROWS_AT - 1 : SCATTER_ROWS_AT + 3] == seg_args for sc in (dq_sc, dd_sc))
@@ -309,6 +317,7 @@ def _backward_plan(
         [{} for _ in steps],
         direct_d, dd_sorted, project_q,
         project_d or (normalize and sorted_dd), cfg.num_warps, {}, {}, plain,
+        n_grp if fused_cast else 0,
     )  # fmt: skip
 
 
@@ -416,10 +425,10 @@ def backward_plan_of(
         normalize, deterministic, torch.get_float32_matmul_precision() if Q.dtype == torch.float32 else None,
         ragged_plan_key(rg), settings.PAIR_SCAN_MAX_WORK, settings.DQ_SPLIT_MIN_K, settings.DQ_SPLIT_MIN_PAIRS,
         settings.DQ_SPLIT_PROGRAMS_PER_SM, settings.SHARED_OWNER_MAX_WORK, settings.SHARED_OWNER_MAX_ROWS,
-        settings.FUSED_SCATTER, settings.SCATTER_BUFFER_MAX_BYTES, settings.SCATTER_CHUNK_BYTES,
-        settings.SCATTER_CHUNK_MIN_LINKS, settings.SCATTER_DOCS, settings.SORTED_DD_MIN_LINKS, settings.SORTED_DD_WARPS,
-        settings.WIDE_ATOMICS_BT, settings.PAIR_SCAN_DQ_UNROLL, settings.PAIR_SCAN_DQ_UNROLL_MAX_DIM,
-        dd_gather.CHUNK,
+        settings.FUSED_SCATTER, settings.FUSED_CAST_MAX_PROGRAMS, settings.SCATTER_BUFFER_MAX_BYTES,
+        settings.SCATTER_CHUNK_BYTES, settings.SCATTER_CHUNK_MIN_LINKS, settings.SCATTER_DOCS,
+        settings.SORTED_DD_MIN_LINKS, settings.SORTED_DD_WARPS, settings.WIDE_ATOMICS_BT, settings.PAIR_SCAN_DQ_UNROLL,
+        settings.PAIR_SCAN_DQ_UNROLL_MAX_DIM, dd_gather.CHUNK,
     )  # fmt: skip
     plan = plans.get(key)
     if plan is None:
@@ -451,16 +460,24 @@ def _run_plain(plan: BackwardPlan, grad: Tensor, Q: Tensor, D: Tensor, argmax: T
     the branches and compositions the other plans need. This CPU, launches stubbed (docs/performance.md v151): the
     small step's backward call 8.9-9.9 -> 7.5 µs alone, 0.3-0.8 µs less of a whole step of 53-72."""
     dQ = torch.empty(Q.shape, dtype=plan.dq_dtype, device=Q.device)
+    g, q = grad.data_ptr(), Q.data_ptr()
+    out, out_ptr = grad, g  # (unused slot)
     if plan.dd_owned:
         gd = torch.empty(D.shape, dtype=plan.dd_dtype, device=D.device)
+    elif plan.cast_counters:  # (the atomics' fp32 buffer and counters; the launch casts it into dD)
+        gd = torch.zeros(D.numel() + plan.cast_counters, dtype=torch.float32, device=D.device)
+        out = torch.empty(D.shape, dtype=D.dtype, device=D.device)
+        out_ptr = out.data_ptr()
     else:  # (the atomics' fp32 buffer, in the main launch)
         gd = torch.zeros(D.shape, dtype=torch.float32, device=D.device)
     grid, ints, constexprs = plan.main
-    g, q = grad.data_ptr(), Q.data_ptr()
     # (the layout of run_backward's launch: no norms, no segments, no CSR indexes; those slots hold Q or grad)
-    tensors = (grad, argmax, Q, D, grad, grad, dQ, gd, Q, Q, Q, Q, grad, grad, grad, grad)
-    pointers = (g, argmax.data_ptr(), q, D.data_ptr(), g, g, dQ.data_ptr(), gd.data_ptr(), q, q, q, q, g, g, g, g)
+    tensors = (grad, argmax, Q, D, grad, grad, dQ, gd, out, Q, Q, Q, Q, grad, grad, grad, grad)
+    pointers = (g, argmax.data_ptr(), q, D.data_ptr(), g, g, dQ.data_ptr(), gd.data_ptr(), out_ptr, q, q, q, q,
+                g, g, g, g)  # fmt: skip
     _bwd(grid, tensors, ints, constexprs, plan.num_warps, 3, plan.launches, foreign=tensors[:4], pointers=pointers)
+    if plan.cast_counters:
+        gd = out
     if gd.dtype != D.dtype:
         gd = gd.to(D.dtype)
     if dQ.dtype != Q.dtype:
@@ -502,16 +519,19 @@ def run_backward(
         if not plan.dd_chunks[0][2]:
             own = torch.zeros(plan.dd_tail * D.shape[-2] * D.shape[-1], dtype=torch.float32, device=D.device)
         gd = own if own is not None else _front_buffer(gd_chunked, plan.dd_chunks[0]).zero_()
+    elif plan.cast_counters:  # the atomics' fp32 buffer and counters; the main launch casts it into dD
+        gd = torch.zeros(D.numel() + plan.cast_counters, dtype=torch.float32, device=D.device)
     else:  # the atomics' fp32 buffer, zeroed before the launch that adds into it (main, or its own after it)
         gd = torch.zeros(D.shape, dtype=torch.float32, device=D.device) if plan.dd_sc is None else None
+    out = torch.empty(D.shape, dtype=D.dtype, device=D.device) if plan.cast_counters else grad  # (else unused)
     q_off, q_order = csr(rg.pair_q, plan.n_queries) if plan.q_csr else (grad, grad)  # (else unused)
     d_off, d_order = csr(rg.pair_d, plan.n_docs) if plan.d_csr else (grad, grad)
     grid, _ints, constexprs = plan.main
     ints = _ints_of(plan.main, plan, Q, D, MAIN_ROWS_AT)
     tensors = None
     if grid:
-        tensors = (grad, argmax, Q, D, inv_q, inv_d, dq_out, grad if gd is None else gd, *segs, q_off, q_order, d_off,
-                   d_order)  # fmt: skip
+        tensors = (grad, argmax, Q, D, inv_q, inv_d, dq_out, grad if gd is None else gd, out, *segs, q_off, q_order,
+                   d_off, d_order)  # fmt: skip
         foreign = (grad, argmax, Q, D) if rg is None and not normalize else (grad, argmax, Q, D, inv_q, inv_d, *segs)
         # (each distinct tensor's pointer read once: unused segment slots hold Q, unused CSR slots the gradient)
         g, a, q = grad.data_ptr(), argmax.data_ptr(), Q.data_ptr()
@@ -523,8 +543,13 @@ def run_backward(
                 *[q if x is Q else x.data_ptr() for x in segs],
                 *[g if x is grad else x.data_ptr() for x in (q_off, q_order, d_off, d_order)],
             )
-        pointers = (g, a, q, D.data_ptr(), *inv, dq_out.data_ptr(), g if gd is None else gd.data_ptr(), *seg_ptrs)
+        pointers = (
+            g, a, q, D.data_ptr(), *inv, dq_out.data_ptr(), g if gd is None else gd.data_ptr(),
+            g if out is grad else out.data_ptr(), *seg_ptrs,
+        )  # fmt: skip
         _bwd(grid, tensors, ints, constexprs, nw, 3, plan.launches, foreign=foreign, pointers=pointers)
+        if plan.cast_counters:
+            gd = out
     if plan.dq_splits > 1:  # (in slice order, in fp32, rounded once into dQ's dtype)
         n = dQ.numel()
         _sum_slices(cdiv(n, slices.BLOCK), (dq_out, dQ), (n, plan.dq_splits), dict(BLOCK=slices.BLOCK), 4, 3,

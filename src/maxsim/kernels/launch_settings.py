@@ -35,6 +35,16 @@ SORTED_DD_WARPS = 1
 # H100, backward GPU time (gather + atomics): 256x256 Ld300 484 -> 424 us, 32x32 Lq1024 Ld1024 220 -> 204 us,
 # off-matrix dim 96 41 -> 34 us; training steps 0.95x, 0.98x, 0.94x, and 64x64 Ld1024 (host-bound) 0.87x.
 FUSED_SCATTER = 1
+# Those atomics, over all documents of a dense cross product in 16-bit tokens without normalize, are followed in
+# their launch by programs that cast the fp32 sums into dD, each waiting for its document group's atomics
+# (backward.py's _scatter_and_cast): the backward is its zero-fill and one launch, not a cast launch after it too,
+# where the atomics are at most this many programs (0: never). Each of them then releases a count, which waits for
+# its atomics to land: GPU time against a launch of host time. H200 (docs/performance.md v154), backward GPU time
+# (main launch + cast launch -> main launch) and the training step in-process, host-bound unless said: 64x64 Lq23
+# Ld333 dim 96 (6144 programs) 19.8 -> 22.4 us, step 0.91-1.08x; 100x100 Lq32 Ld180 dim 96 (20000) 51.6 -> 50.5 us,
+# 0.90x; 128x128 Lq23 Ld333 (24576) 70.9 -> 80.6 us, 0.85x; 32x32 Lq32 Ld180 dim 1024 (23040) 51.0 -> 54.8 us,
+# 0.91x; 32x32 Lq1024 Ld1024 (65536, GPU-bound) 179.3 -> 193.3 us, 1.02x: not fused.
+FUSED_CAST_MAX_PROGRAMS = 1 << 15
 # The fp32 buffer the fast cross product's dD atomics add into holds at most SCATTER_BUFFER_MAX_BYTES: beyond, dD is
 # summed a chunk of documents at a time, in two fp32 buffers in turn: the front of dD's own storage, not yet written,
 # and one of its own of at most SCATTER_CHUNK_BYTES (see dd_chunks.chunk_plan); each chunk's cast into dD runs in the
