@@ -331,6 +331,32 @@ def test_training_peak_is_the_gradients_and_the_atomics_buffer():
     del grads
 
 
+def test_fused_cast_step_peaks_at_the_gradients_and_the_atomics_buffer():
+    """A fast step whose atomics' launch casts dD itself (launch_settings.FUSED_CAST_MAX_PROGRAMS: 64 queries against
+    64 documents, dim 96, the bench's off-matrix step) peaks where one with a cast launch does: scores, the int16
+    argmax, dQ, the fp32 buffer (and its counters) and dD."""
+    from maxsim.kernels import launch_backward
+
+    Q = randn((64, 23, 96), seed=7, dtype=torch.bfloat16, device=DEV).requires_grad_()
+    D = randn((64, 333, 96), seed=8, dtype=torch.bfloat16, device=DEV).requires_grad_()
+    g = upstream_grad((64, 64), seed=9, device=DEV)
+    launch_backward.plans.clear()
+    torch.autograd.grad(maxsim.maxsim(Q, D), (Q, D), g)
+    assert [p.cast_counters for p in launch_backward.plans.values()] == [32], "not the fused cast"
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    grads = torch.autograd.grad(maxsim.maxsim(Q, D), (Q, D), g)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    need = 64 * 64 * 4 + 64 * 64 * 23 * 2 + Q.numel() * 2 + D.numel() * (4 + 2)
+    assert need <= peak <= need + 2**18, f"peak {peak / 2**20:.3f} MiB, needed {need / 2**20:.3f} MiB"
+    del grads
+    launch_backward.plans.clear()
+
+
 def test_chunked_atomics_peak_at_the_gradients_and_the_last_chunks(monkeypatch):
     """A fast step whose fp32 dD buffer would exceed launch_settings.SCATTER_BUFFER_MAX_BYTES (256 queries against 256
     documents of 300 tokens: 37.5 MiB) sums dD a chunk at a time, the first chunks in dD's own storage: it peaks at

@@ -165,8 +165,9 @@ def test_atomics_cast_their_groups_in_their_launch(k, dtype, device, monkeypatch
 def test_atomics_cast_their_groups_only_where_a_cast_launch_would_follow(device, monkeypatch):
     """No FUSED_CAST where nothing is cast (fp32 tokens: the atomics add into dD), where normalize's projection reads
     the buffer, for packed documents (a group's rows come from offsets that may be invalid: a cast launch covers
-    every row whatever they hold), for a chunked dD (whose chunks' casts are launches' programs already) and for
-    atomics of more than FUSED_CAST_MAX_PROGRAMS programs."""
+    every row whatever they hold), for a chunked dD (whose chunks' casts are launches' programs already), beside a
+    split dQ walk (whose fp32 slices would be alive with dD: a higher peak) and for atomics of more than
+    FUSED_CAST_MAX_PROGRAMS programs."""
     if not triton_usable(device):
         pytest.skip("Triton kernels need CUDA tensors or TRITON_INTERPRET=1 on CPU")
     from maxsim.kernels import launch_backward, launch_settings
@@ -189,8 +190,10 @@ def test_atomics_cast_their_groups_only_where_a_cast_launch_would_follow(device,
                 check_parity(inp, normalize=normalize, backward="fast", seed=4)
         (plan,) = launch_backward.plans.values()
         launch_backward.plans.clear()
+        assert (plan.dq_splits > 1) == split
         return plan.cast_counters
 
+    split = False
     assert counters() == 2  # (2 groups of documents)
     assert counters(torch.float32) == counters(normalize=True) == counters(packed=True) == 0
     # (atomics of 2 queries x 1 token block x 2 groups: 4 programs)
@@ -199,6 +202,13 @@ def test_atomics_cast_their_groups_only_where_a_cast_launch_would_follow(device,
     monkeypatch.setattr(launch_settings, "FUSED_CAST_MAX_PROGRAMS", 3)
     assert counters() == 0
     monkeypatch.setattr(launch_settings, "FUSED_CAST_MAX_PROGRAMS", 1 << 15)
+    with monkeypatch.context() as m:  # (a split dQ walk: its slices would be alive beside dD)
+        m.setattr(launch_settings, "DQ_SPLIT_MIN_K", 1)
+        m.setattr(launch_settings, "DQ_SPLIT_MIN_PAIRS", 1)
+        m.setattr(launch_settings, "DQ_SPLIT_PROGRAMS_PER_SM", 64)
+        split = True
+        assert counters() == 0
+    split = False
     monkeypatch.setattr(launch_settings, "SCATTER_BUFFER_MAX_BYTES", 0)
     monkeypatch.setattr(launch_settings, "SCATTER_CHUNK_BYTES", 6 * 32 * 4)
     monkeypatch.setattr(launch_settings, "SCATTER_CHUNK_MIN_LINKS", 0)

@@ -256,9 +256,10 @@ def _backward_plan(
     fused_sc = not dd_owned and not sorted_dd and bool(settings.FUSED_SCATTER)
     sc_lo, sc_n = dd_chunks[0][:2] if dd_chunks else (0, K)  # (the main launch's atomics: all, or the first chunk)
     n_dsc = _scatter_grid(Nq, sc_n, n_tb) if fused_sc else 0
+    # (not beside a split dQ walk: its fp32 slices would be alive with dD and its buffer, above a step's peak)
     fused_cast = (
         fused_sc and not dd_chunks and not direct_d and not normalize and sg.d_kind != OFFSETS
-        and n_dsc <= settings.FUSED_CAST_MAX_PROGRAMS
+        and n_dsc <= settings.FUSED_CAST_MAX_PROGRAMS and dq_splits == 1
     )  # fmt: skip
     n_grp = cdiv(K, settings.SCATTER_DOCS)
     cast_elems = FUSED_CAST_BLOCK.value * FUSED_CAST_STEPS.value  # (a cast program's)

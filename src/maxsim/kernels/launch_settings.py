@@ -42,8 +42,9 @@ FUSED_SCATTER = 1
 # its atomics to land: GPU time against a launch of host time. H200 (docs/performance.md v154), backward GPU time
 # (main launch + cast launch -> main launch) and the training step in-process, host-bound unless said: 64x64 Lq23
 # Ld333 dim 96 (6144 programs) 19.8 -> 22.4 us, step 0.91-1.08x; 100x100 Lq32 Ld180 dim 96 (20000) 51.6 -> 50.5 us,
-# 0.90x; 128x128 Lq23 Ld333 (24576) 70.9 -> 80.6 us, 0.85x; 32x32 Lq32 Ld180 dim 1024 (23040) 51.0 -> 54.8 us,
-# 0.91x; 32x32 Lq1024 Ld1024 (65536, GPU-bound) 179.3 -> 193.3 us, 1.02x: not fused.
+# 0.90x; 32x32 Lq32 Ld180 dim 1024 (23040) 51.0 -> 54.8 us, 0.91x; 32x32 Lq1024 Ld1024 (65536, GPU-bound) 179.3 ->
+# 193.3 us, 1.02x: not fused. Nor is it beside a split dQ walk, whose slices would then be alive with dD (128x128
+# Lq23 Ld333: peak 32.7 -> 35.6 MiB; backward 70.9 -> 80.6 us, step 0.85x).
 FUSED_CAST_MAX_PROGRAMS = 1 << 15
 # The fp32 buffer the fast cross product's dD atomics add into holds at most SCATTER_BUFFER_MAX_BYTES: beyond, dD is
 # summed a chunk of documents at a time, in two fp32 buffers in turn: the front of dD's own storage, not yet written,
