@@ -334,7 +334,10 @@ def test_training_peak_is_the_gradients_and_the_atomics_buffer():
 def test_fused_cast_step_peaks_at_the_gradients_and_the_atomics_buffer():
     """A fast step whose atomics' launch casts dD itself (launch_settings.FUSED_CAST_MAX_PROGRAMS: 64 queries against
     64 documents, dim 96, the bench's off-matrix step) peaks where one with a cast launch does: scores, the int16
-    argmax, dQ, the fp32 buffer (and its counters) and dD."""
+    argmax, dQ, the fp32 buffer (and its counters) and dD, nothing D-sized more. Up to 2 MiB of allocator slack:
+    a cached block handed out whole counts up to 1 MiB over the request, and which blocks are cached depends on what
+    ran before in the process (on the H200 this test first read 12.465 MiB against 12.172 needed, after the split
+    walk's peak test; the chunked test below read 1.07 MiB over its need in that process and passed in another)."""
     from maxsim.kernels import launch_backward
 
     Q = randn((64, 23, 96), seed=7, dtype=torch.bfloat16, device=DEV).requires_grad_()
@@ -352,7 +355,7 @@ def test_fused_cast_step_peaks_at_the_gradients_and_the_atomics_buffer():
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     need = 64 * 64 * 4 + 64 * 64 * 23 * 2 + Q.numel() * 2 + D.numel() * (4 + 2)
-    assert need <= peak <= need + 2**18, f"peak {peak / 2**20:.3f} MiB, needed {need / 2**20:.3f} MiB"
+    assert need <= peak <= need + 2**21, f"peak {peak / 2**20:.3f} MiB, needed {need / 2**20:.3f} MiB"
     del grads
     launch_backward.plans.clear()
 
