@@ -40,11 +40,12 @@ FUSED_SCATTER = 1
 # (backward.py's _scatter_and_cast): the backward is its zero-fill and one launch, not a cast launch after it too,
 # where the atomics are at most this many programs (0: never). Each of them then releases a count, which waits for
 # its atomics to land: GPU time against a launch of host time. H200 (docs/performance.md v154), backward GPU time
-# (main launch + cast launch -> main launch) and the training step in-process, host-bound unless said: 64x64 Lq23
-# Ld333 dim 96 (6144 programs) 19.8 -> 22.4 us, step 0.91-1.08x; 100x100 Lq32 Ld180 dim 96 (20000) 51.6 -> 50.5 us,
-# 0.90x; 32x32 Lq32 Ld180 dim 1024 (23040) 51.0 -> 54.8 us, 0.91x; 32x32 Lq1024 Ld1024 (65536, GPU-bound) 179.3 ->
-# 193.3 us, 1.02x: not fused. Nor is it beside a split dQ walk, whose slices would then be alive with dD (128x128
-# Lq23 Ld333: peak 32.7 -> 35.6 MiB; backward 70.9 -> 80.6 us, step 0.85x).
+# (main launch + cast launch -> main launch), then the training step's median (minimum) in-process, on a host where
+# those steps are host-bound but the last: 64x64 Lq23 Ld333 dim 96 (6144 atomics programs) 16.0 + 3.8 -> 22.4 us,
+# 1.10x (0.86x); 100x100 Lq32 Ld180 dim 96 (20000) 48.2 + 3.4 -> 50.5 us, 0.90x (1.01x); 32x32 Lq32 Ld180 dim 1024
+# (23040) 42.4 + 8.6 -> 54.8 us, 0.91x (1.35x); 32x32 Lq1024 Ld1024 (65536, GPU-bound) 172.8 + 6.5 -> 193.3 us,
+# 1.02x: not fused. Nor is it beside a split dQ walk, whose slices would then be alive with dD (128x128 Lq23 Ld333:
+# peak 32.7 -> 35.6 MiB).
 FUSED_CAST_MAX_PROGRAMS = 1 << 15
 # The fp32 buffer the fast cross product's dD atomics add into holds at most SCATTER_BUFFER_MAX_BYTES: beyond, dD is
 # summed a chunk of documents at a time, in two fp32 buffers in turn: the front of dD's own storage, not yet written,
