@@ -61,6 +61,9 @@ def sides(launch: tuple, maxnreg: int = 0) -> dict:
     n_dq = ints[N_DQ_AT]
     if constexprs["DQ_GATHER"] != (n_dq > 0) or not 0 <= n_dq <= grid:  # (the integers' layout has moved)
         raise SystemExit(f"n_dq at {N_DQ_AT} reads {n_dq}: not the launch's dQ program count (grid {grid})")
+    if constexprs.get("FUSED_CAST"):  # (replayed, its casters would find their counts full and not wait)
+        raise SystemExit("a launch that casts dD itself (FUSED_CAST) spends its counters in one run: replay it with "
+                         "--variant off:FUSED_CAST_MAX_PROGRAMS=0")  # fmt: skip
 
     def run(g: int, i: tuple):
         return lambda: launch_backward._bwd(g, tensors, i, constexprs, *rest, **kw)
