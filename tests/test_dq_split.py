@@ -92,6 +92,46 @@ def test_split_walk_matches_reference(layout, normalize, device, monkeypatch):
     torch.testing.assert_close(dD.double(), rdD, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalized"])
+@pytest.mark.parametrize("layout", ["cross", "varlen"])
+def test_split_walk_sums_its_slices_in_its_own_launch(layout, normalize, device, monkeypatch):
+    """FUSED_DQ_SUM: beside the cross product's atomics (over all documents) the last program of each query-token
+    block sums the block's slices into dQ in slice order, as the slice-sum launch does, which is then not made: the
+    same bits on integer data (a NaN upstream gradient, an empty query, empty documents), and each plan says which."""
+    if INTERPRET:
+        maxsim.set_backend("triton")
+    monkeypatch.setattr(launch_settings, "SHARED_OWNER_MAX_ROWS", 0)
+    monkeypatch.setattr(launch_settings, "SHARED_OWNER_MAX_WORK", 0)
+    dtype = torch.float32 if INTERPRET else torch.bfloat16
+    Q, D, call, _, gshape = _layouts(device, dtype, int_grid)[layout]
+    g = int_grid(gshape, seed=9, dtype=torch.float32, device=device)
+    g[0, 3] = float("nan")
+    sums = []
+    monkeypatch.setattr(launch_backward, "_sum_slices", _counting(launch_backward._sum_slices, sums))
+    results = []
+    for fused in (1, 0):
+        monkeypatch.setattr(launch_settings, "FUSED_DQ_SUM", fused)
+        sums.clear()
+        _split(monkeypatch, True)
+        launch_backward.plans.clear()
+        Qg, Dg = Q.detach().requires_grad_(), D.detach().requires_grad_()
+        results.append(torch.autograd.grad(call(Qg, Dg, normalize=normalize, backward="fast"), (Qg, Dg), g))
+        (plan,) = launch_backward.plans.values()
+        launch_backward.plans.clear()
+        assert plan.dq_splits > 1 and not plan.dd_owned
+        assert (plan.sum_counters > 0, len(sums)) == ((True, 0) if fused else (False, 1))
+    for fused_grad, launched_grad in zip(*results, strict=True):
+        torch.testing.assert_close(fused_grad, launched_grad, rtol=0, atol=0, equal_nan=True)
+
+
+def _counting(launch, calls: list):
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return launch(*args, **kwargs)
+
+    return counted
+
+
 def test_split_count_follows_programs_and_pairs(monkeypatch):
     """Splits only long walks of few programs, into slices of at least DQ_SPLIT_MIN_PAIRS pairs, enough for
     DQ_SPLIT_PROGRAMS_PER_SM programs a multiprocessor."""

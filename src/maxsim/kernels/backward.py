@@ -91,7 +91,7 @@ def _dq_add(
 
 @triton.jit
 def _dq_program(
-    pid, G, ARG, Q, D, INV_D, DQ, QSEG, DSEG, PQ, PD, QOFF, QPERM,
+    pid, G, ARG, Q, D, INV_D, DQ, DQ_OUT, COUNTERS, QSEG, DSEG, PQ, PD, QOFF, QPERM,
     K, Lq, Ld, dim,
     n_qseq, n_qrows, n_dseq, n_drows,
     sq_n, sq_l,
@@ -102,6 +102,7 @@ def _dq_program(
     BT: tl.constexpr, DIM_P: tl.constexpr, UNROLL: tl.constexpr,
     Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr, SHARED_DOCS: tl.constexpr,
     NORMALIZE: tl.constexpr, PAIR_SCAN: tl.constexpr, PROJECT: tl.constexpr, SPLIT: tl.constexpr,
+    SUM_LAST: tl.constexpr,
 ):  # fmt: skip
     """dQ of one (query, token block): a gather over the query's pairs (``K`` of them: its documents, or a pair
     list's ``P`` entries), summed in pair order (``PROJECT``: chained through the normalization of Q's rows).
@@ -109,7 +110,12 @@ def _dq_program(
     ``SPLIT`` (documents and candidates only, never a pair list): program ``pid`` sums pairs
     ``[s * ks_len, (s + 1) * ks_len)`` of its query, ``s = pid % n_ks``, into slice ``s`` of an fp32 ``DQ`` of
     ``n_ks`` slices ``sdq_s`` elements apart (summed in order afterwards). A constexpr, not ``n_ks == 1``: the
-    plain walk's variants keep their registers (the runtime split cost the normalized gather 40 more)."""
+    plain walk's variants keep their registers (the runtime split cost the normalized gather 40 more).
+
+    ``SUM_LAST`` (with ``SPLIT``): the last of a block's ``n_ks`` programs to finish sums the block's slices in
+    slice order and stores them in ``DQ_OUT`` (dQ, Q's layout and dtype), as ``slices.sum_slices_kernel`` would in a
+    launch after: each program counts itself done in ``COUNTERS[q * n_tb + block]`` (int32 zeros), after a barrier
+    and with release semantics; the last acquires the count and reads the other slices from L2 (``.cg``)."""
     split = 0
     if SPLIT:
         split = pid % n_ks
@@ -187,8 +193,21 @@ def _dq_program(
         acc = project_rows(acc, x.to(tl.float32), NORM_EPS)
     # Padded rows (past a query's length, inside its padding) are written too: their gradient is zero.
     t_store = t_ok if Q_KIND == OFFSETS else t < Lq
-    out = dq_base + t[:, None] * sdq_l + kd[None, :]
-    tl.store(out, acc.to(DQ.dtype.element_ty), mask=t_store[:, None] & kd_ok[None, :])
+    rows = t[:, None] * sdq_l + kd[None, :]
+    tl.store(dq_base + rows, acc.to(DQ.dtype.element_ty), mask=t_store[:, None] & kd_ok[None, :])
+    if SUM_LAST:
+        tl.debug_barrier()
+        if tl.atomic_add(COUNTERS + pid, 1, sem="acq_rel", scope="gpu") == n_ks - 1:
+            first = dq_base - split.to(tl.int64) * sdq_s
+            total = tl.zeros([BT, DIM_P], dtype=tl.float32)
+            for s in range(0, n_ks):
+                slice_s = tl.load(first + s * sdq_s + rows, mask=t_store[:, None] & kd_ok[None, :], other=0.0,
+                                  cache_modifier=".cg")  # fmt: skip
+                total += slice_s
+            out_base, _tok0, _len, _bad = query_segment(
+                DQ_OUT, QSEG, q, q >= 0, Lq, n_qseq, n_qrows, sdq_n, sdq_l, sqs, Q_KIND
+            )
+            tl.store(out_base + rows, total.to(DQ_OUT.dtype.element_ty), mask=t_store[:, None] & kd_ok[None, :])
 
 
 @triton.jit
@@ -664,7 +683,7 @@ def _dd_program(
     ]
 )  # fmt: skip
 def maxsim_bwd_kernel(
-    G, ARG, Q, D, INV_Q, INV_D, DQ, GD, GD_OUT, QSEG, DSEG, PQ, PD, QOFF, QPERM, DOFF, DPERM,
+    G, ARG, Q, D, INV_Q, INV_D, DQ, GD, GD_OUT, DQ_OUT, QSEG, DSEG, PQ, PD, QOFF, QPERM, DOFF, DPERM,
     n_queries, Nq, K, K_dd, P, Lq, Ld, dim,
     n_qseq, n_qrows, n_dseq, n_drows,
     sq_n, sq_l,
@@ -680,7 +699,7 @@ def maxsim_bwd_kernel(
     DQ_GATHER: tl.constexpr, DD_OWNED: tl.constexpr, SCAN_Q: tl.constexpr, SCAN_D: tl.constexpr,
     DOC_WALK: tl.constexpr, DD_SCATTER: tl.constexpr, PROJECT_Q: tl.constexpr, PROJECT_D: tl.constexpr,
     DQ_SPLIT: tl.constexpr, SCATTER_DOCS: tl.constexpr, ONE_TQ: tl.constexpr, REG_SEL: tl.constexpr,
-    FUSED_CAST: tl.constexpr,
+    FUSED_CAST: tl.constexpr, SUM_LAST: tl.constexpr,
 ):  # fmt: skip
     """The gather-and-own backward in one launch: programs ``[0, n_dq)`` compute dQ by the gather (``DQ_GATHER``),
     the rest own blocks of dD (``DD_OWNED``); either side may be absent (a long pair list's dQ and the fast cross
@@ -693,17 +712,24 @@ def maxsim_bwd_kernel(
     its owner programs are one per (document, dim block), see :func:`_dd_program`. ``ONE_TQ``: ``Lq <= TQ`` (each
     query's tokens are one step of the owner's walk). ``REG_SEL``: the owner builds its selector in the MMA's
     registers (see :func:`_dd_add`). ``FUSED_CAST`` (with ``DD_SCATTER`` over all documents): the atomics' programs
-    are followed by programs that round their fp32 sums into ``GD_OUT`` (see :func:`_scatter_and_cast`)."""
+    are followed by programs that round their fp32 sums into ``GD_OUT`` (see :func:`_scatter_and_cast`).
+    ``SUM_LAST`` (a split walk beside those atomics, over all documents): the split walk's slices are summed into
+    ``DQ_OUT`` by the last program of each block (see :func:`_dq_program`), its counters after dD's elements in
+    ``GD``'s zeroed allocation."""
     pid = tl.program_id(0)
     # (a launch of one side tests nothing: the branch costs a dQ-only variant ~35 registers, a program per SM)
     gather = pid < n_dq if DQ_GATHER and (DD_OWNED or DD_SCATTER) else DQ_GATHER
     if gather:
         if DQ_GATHER:
+            counters = GD
+            if SUM_LAST:  # (after dD's elements: packed rows, or the shared documents)
+                d_elems = n_drows.to(tl.int64) * dim if D_KIND == OFFSETS else K.to(tl.int64) * Ld * dim
+                counters = (GD + d_elems).to(tl.pointer_type(tl.int32))
             _dq_program(
-                pid, G, ARG, Q, D, INV_D, DQ, QSEG, DSEG, PQ, PD, QOFF, QPERM,
+                pid, G, ARG, Q, D, INV_D, DQ, DQ_OUT, counters, QSEG, DSEG, PQ, PD, QOFF, QPERM,
                 K, Lq, Ld, dim, n_qseq, n_qrows, n_dseq, n_drows, sq_n, sq_l, sd_b, sd_k, sd_l, sdq_n, sdq_l,
                 sqs, sds_b, sds_k, sg, n_tb, n_ks, ks_len, sdq_s, BT, DIM_P, UNROLL, Q_KIND, D_KIND, PAIR_LIST,
-                SHARED_DOCS, NORMALIZE, SCAN_Q, PROJECT_Q, DQ_SPLIT,
+                SHARED_DOCS, NORMALIZE, SCAN_Q, PROJECT_Q, DQ_SPLIT, SUM_LAST,
             )  # fmt: skip
     else:
         if DD_OWNED:

@@ -113,6 +113,7 @@ class BackwardPlan(NamedTuple):
     sum_launches: dict  # the same, of the split walk's slice sum
     plain: bool  # dense, raw tokens, the main launch alone into dQ and dD allocated before it: _run_plain
     cast_counters: int  # > 0: the main launch casts its atomics' sums into dD (FUSED_CAST), this many counters
+    sum_counters: int  # > 0: the main launch sums the split walk's slices into dQ (FUSED_DQ_SUM), this many counters
 
 
 plans: dict[tuple, BackwardPlan] = {}
@@ -262,6 +263,8 @@ def _backward_plan(
         and n_dsc <= settings.FUSED_CAST_MAX_PROGRAMS and dq_splits == 1
     )  # fmt: skip
     n_grp = cdiv(K, settings.SCATTER_DOCS)
+    # (the split walk's slices summed by its own programs: counters in the atomics' zeroed buffer, after dD's)
+    sum_last = dq_splits > 1 and fused_sc and not dd_chunks and bool(settings.FUSED_DQ_SUM)
     cast_elems = FUSED_CAST_BLOCK.value * FUSED_CAST_STEPS.value  # (a cast program's)
     n_cast = n_grp * cdiv(settings.SCATTER_DOCS * Ld * dim, cast_elems) if fused_cast else 0
     steps = chunk_steps(dd_chunks, fused_sc) if dd_chunks else ()
@@ -301,7 +304,8 @@ def _backward_plan(
         dict(constexprs, UNROLL=unroll, DQ_GATHER=n_dq > 0, DD_OWNED=n_dd > 0, DD_SCATTER=n_dsc > 0,
              PROJECT_Q=project_q, PROJECT_D=project_d, DQ_SPLIT=dq_splits > 1, SCATTER_DOCS=settings.SCATTER_DOCS,
              ONE_TQ=Lq <= cfg.TQ,  # (TQ follows Lq up to 64 tokens: one more variant for longer queries, once)
-             REG_SEL=n_dd > 0 and register_selector(doc_walk, normalize, cfg, Q.dtype), FUSED_CAST=fused_cast),
+             REG_SEL=n_dd > 0 and register_selector(doc_walk, normalize, cfg, Q.dtype), FUSED_CAST=fused_cast,
+             SUM_LAST=sum_last),
     )  # fmt: skip
     assert main[1][MAIN_ROWS_AT - 1 : MAIN_ROWS_AT + 3] == seg_args and main[1][-3] == Q.numel()  # (with_rows)
     assert all(sc is None or sc[1][SCATTER_ROWS_AT - 1 : SCATTER_ROWS_AT + 3] == seg_args for sc in (dq_sc, dd_sc))
@@ -318,7 +322,7 @@ def _backward_plan(
         [{} for _ in steps],
         direct_d, dd_sorted, project_q,
         project_d or (normalize and sorted_dd), cfg.num_warps, {}, {}, plain,
-        n_grp if fused_cast else 0,
+        n_grp if fused_cast else 0, n_queries * n_tb if sum_last else 0,
     )  # fmt: skip
 
 
@@ -426,10 +430,10 @@ def backward_plan_of(
         normalize, deterministic, torch.get_float32_matmul_precision() if Q.dtype == torch.float32 else None,
         ragged_plan_key(rg), settings.PAIR_SCAN_MAX_WORK, settings.DQ_SPLIT_MIN_K, settings.DQ_SPLIT_MIN_PAIRS,
         settings.DQ_SPLIT_PROGRAMS_PER_SM, settings.SHARED_OWNER_MAX_WORK, settings.SHARED_OWNER_MAX_ROWS,
-        settings.FUSED_SCATTER, settings.FUSED_CAST_MAX_PROGRAMS, settings.SCATTER_BUFFER_MAX_BYTES,
-        settings.SCATTER_CHUNK_BYTES, settings.SCATTER_CHUNK_MIN_LINKS, settings.SCATTER_DOCS,
-        settings.SORTED_DD_MIN_LINKS, settings.SORTED_DD_WARPS, settings.WIDE_ATOMICS_BT, settings.PAIR_SCAN_DQ_UNROLL,
-        settings.PAIR_SCAN_DQ_UNROLL_MAX_DIM, dd_gather.CHUNK,
+        settings.FUSED_SCATTER, settings.FUSED_CAST_MAX_PROGRAMS, settings.FUSED_DQ_SUM,
+        settings.SCATTER_BUFFER_MAX_BYTES, settings.SCATTER_CHUNK_BYTES, settings.SCATTER_CHUNK_MIN_LINKS,
+        settings.SCATTER_DOCS, settings.SORTED_DD_MIN_LINKS, settings.SORTED_DD_WARPS, settings.WIDE_ATOMICS_BT,
+        settings.PAIR_SCAN_DQ_UNROLL, settings.PAIR_SCAN_DQ_UNROLL_MAX_DIM, dd_gather.CHUNK,
     )  # fmt: skip
     plan = plans.get(key)
     if plan is None:
@@ -473,8 +477,8 @@ def _run_plain(plan: BackwardPlan, grad: Tensor, Q: Tensor, D: Tensor, argmax: T
         gd = torch.zeros(D.shape, dtype=torch.float32, device=D.device)
     grid, ints, constexprs = plan.main
     # (the layout of run_backward's launch: no norms, no segments, no CSR indexes; those slots hold Q or grad)
-    tensors = (grad, argmax, Q, D, grad, grad, dQ, gd, out, Q, Q, Q, Q, grad, grad, grad, grad)
-    pointers = (g, argmax.data_ptr(), q, D.data_ptr(), g, g, dQ.data_ptr(), gd.data_ptr(), out_ptr, q, q, q, q,
+    tensors = (grad, argmax, Q, D, grad, grad, dQ, gd, out, grad, Q, Q, Q, Q, grad, grad, grad, grad)
+    pointers = (g, argmax.data_ptr(), q, D.data_ptr(), g, g, dQ.data_ptr(), gd.data_ptr(), out_ptr, g, q, q, q, q,
                 g, g, g, g)  # fmt: skip
     _bwd(grid, tensors, ints, constexprs, plan.num_warps, 3, plan.launches, foreign=tensors[:4], pointers=pointers)
     if plan.cast_counters:
@@ -522,6 +526,8 @@ def run_backward(
         gd = own if own is not None else _front_buffer(gd_chunked, plan.dd_chunks[0]).zero_()
     elif plan.cast_counters:  # the atomics' fp32 buffer and counters; the main launch casts it into dD
         gd = torch.zeros(D.numel() + plan.cast_counters, dtype=torch.float32, device=D.device)
+    elif plan.sum_counters:  # the atomics' fp32 buffer and the split walk's counters
+        gd = torch.zeros(D.numel() + plan.sum_counters, dtype=torch.float32, device=D.device)
     else:  # the atomics' fp32 buffer, zeroed before the launch that adds into it (main, or its own after it)
         gd = torch.zeros(D.shape, dtype=torch.float32, device=D.device) if plan.dd_sc is None else None
     out = torch.empty(D.shape, dtype=D.dtype, device=D.device) if plan.cast_counters else grad  # (else unused)
@@ -531,8 +537,8 @@ def run_backward(
     ints = _ints_of(plan.main, plan, Q, D, MAIN_ROWS_AT)
     tensors = None
     if grid:
-        tensors = (grad, argmax, Q, D, inv_q, inv_d, dq_out, grad if gd is None else gd, out, *segs, q_off, q_order,
-                   d_off, d_order)  # fmt: skip
+        tensors = (grad, argmax, Q, D, inv_q, inv_d, dq_out, grad if gd is None else gd, out,
+                   dQ if plan.sum_counters else grad, *segs, q_off, q_order, d_off, d_order)  # fmt: skip
         foreign = (grad, argmax, Q, D) if rg is None and not normalize else (grad, argmax, Q, D, inv_q, inv_d, *segs)
         # (each distinct tensor's pointer read once: unused segment slots hold Q, unused CSR slots the gradient)
         g, a, q = grad.data_ptr(), argmax.data_ptr(), Q.data_ptr()
@@ -546,12 +552,14 @@ def run_backward(
             )
         pointers = (
             g, a, q, D.data_ptr(), *inv, dq_out.data_ptr(), g if gd is None else gd.data_ptr(),
-            g if out is grad else out.data_ptr(), *seg_ptrs,
+            g if out is grad else out.data_ptr(), dQ.data_ptr() if plan.sum_counters else g, *seg_ptrs,
         )  # fmt: skip
         _bwd(grid, tensors, ints, constexprs, nw, 3, plan.launches, foreign=foreign, pointers=pointers)
         if plan.cast_counters:
             gd = out
-    if plan.dq_splits > 1:  # (in slice order, in fp32, rounded once into dQ's dtype)
+        elif plan.sum_counters:
+            gd = gd[: D.numel()].view(D.shape)
+    if plan.dq_splits > 1 and not plan.sum_counters:  # (in slice order, in fp32, rounded once into dQ's dtype)
         n = dQ.numel()
         _sum_slices(cdiv(n, slices.BLOCK), (dq_out, dQ), (n, plan.dq_splits), dict(BLOCK=slices.BLOCK), 4, 3,
                     plan.sum_launches, foreign=())  # fmt: skip

@@ -47,6 +47,11 @@ FUSED_SCATTER = 1
 # 1.02x: not fused. Nor is it beside a split dQ walk, whose slices would then be alive with dD (128x128 Lq23 Ld333:
 # peak 32.7 -> 35.6 MiB).
 FUSED_CAST_MAX_PROGRAMS = 1 << 15
+# A split dQ walk (DQ_SPLIT_*) beside those atomics, over all documents: the last program of each query-token block
+# to finish sums the block's slices into dQ (backward.py's _dq_program, SUM_LAST; counters after dD's elements in
+# the atomics' zeroed buffer), so no slice-sum launch follows. Off: built and tested on the CPU interpreter
+# (docs/performance.md v155), not yet measured on a GPU.
+FUSED_DQ_SUM = 0
 # The fp32 buffer the fast cross product's dD atomics add into holds at most SCATTER_BUFFER_MAX_BYTES: beyond, dD is
 # summed a chunk of documents at a time, in two fp32 buffers in turn: the front of dD's own storage, not yet written,
 # and one of its own of at most SCATTER_CHUNK_BYTES (see dd_chunks.chunk_plan); each chunk's cast into dD runs in the
