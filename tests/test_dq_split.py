@@ -95,9 +95,10 @@ def test_split_walk_matches_reference(layout, normalize, device, monkeypatch):
 @pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalized"])
 @pytest.mark.parametrize("layout", ["cross", "varlen"])
 def test_split_walk_sums_its_slices_in_its_own_launch(layout, normalize, device, monkeypatch):
-    """FUSED_DQ_SUM: beside the cross product's atomics (over all documents) the last program of each query-token
-    block sums the block's slices into dQ in slice order, as the slice-sum launch does, which is then not made: the
-    same bits on integer data (a NaN upstream gradient, an empty query, empty documents), and each plan says which."""
+    """FUSED_DQ_SUM_MAX_SLICES: beside the cross product's atomics (over all documents) the last program of each
+    query-token block of a walk in at most that many slices sums the block's slices into dQ in slice order, as the
+    slice-sum launch does, which is then not made: the same bits on integer data (a NaN upstream gradient, an empty
+    query, empty documents), and each plan says which. A walk in more slices than the bound takes the launch."""
     if INTERPRET:
         maxsim.set_backend("triton")
     monkeypatch.setattr(launch_settings, "SHARED_OWNER_MAX_ROWS", 0)
@@ -109,8 +110,9 @@ def test_split_walk_sums_its_slices_in_its_own_launch(layout, normalize, device,
     sums = []
     monkeypatch.setattr(launch_backward, "_sum_slices", _counting(launch_backward._sum_slices, sums))
     results = []
-    for fused in (1, 0):
-        monkeypatch.setattr(launch_settings, "FUSED_DQ_SUM", fused)
+
+    def run(bound: int):
+        monkeypatch.setattr(launch_settings, "FUSED_DQ_SUM_MAX_SLICES", bound)
         sums.clear()
         _split(monkeypatch, True)
         launch_backward.plans.clear()
@@ -119,9 +121,16 @@ def test_split_walk_sums_its_slices_in_its_own_launch(layout, normalize, device,
         (plan,) = launch_backward.plans.values()
         launch_backward.plans.clear()
         assert plan.dq_splits > 1 and not plan.dd_owned
-        assert (plan.sum_counters > 0, len(sums)) == ((True, 0) if fused else (False, 1))
-    for fused_grad, launched_grad in zip(*results, strict=True):
-        torch.testing.assert_close(fused_grad, launched_grad, rtol=0, atol=0, equal_nan=True)
+        return plan.dq_splits, plan.sum_counters > 0, len(sums)
+
+    splits, fused, launched = run(1 << 10)
+    assert (fused, launched) == (True, 0)
+    assert run(splits) == (splits, True, 0)
+    assert run(splits - 1) == (splits, False, 1)
+    assert run(0) == (splits, False, 1)
+    for grads in results:
+        for fused_grad, launched_grad in zip(grads, results[-1], strict=True):
+            torch.testing.assert_close(fused_grad, launched_grad, rtol=0, atol=0, equal_nan=True)
 
 
 def _counting(launch, calls: list):

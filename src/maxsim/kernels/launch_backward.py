@@ -113,7 +113,7 @@ class BackwardPlan(NamedTuple):
     sum_launches: dict  # the same, of the split walk's slice sum
     plain: bool  # dense, raw tokens, the main launch alone into dQ and dD allocated before it: _run_plain
     cast_counters: int  # > 0: the main launch casts its atomics' sums into dD (FUSED_CAST), this many counters
-    sum_counters: int  # > 0: the main launch sums the split walk's slices into dQ (FUSED_DQ_SUM), this many counters
+    sum_counters: int  # > 0: the main launch sums the split walk's slices into dQ (FUSED_DQ_SUM_*), this many counters
 
 
 plans: dict[tuple, BackwardPlan] = {}
@@ -264,7 +264,7 @@ def _backward_plan(
     )  # fmt: skip
     n_grp = cdiv(K, settings.SCATTER_DOCS)
     # (the split walk's slices summed by its own programs: counters in the atomics' zeroed buffer, after dD's)
-    sum_last = dq_splits > 1 and fused_sc and not dd_chunks and bool(settings.FUSED_DQ_SUM)
+    sum_last = 1 < dq_splits <= settings.FUSED_DQ_SUM_MAX_SLICES and fused_sc and not dd_chunks
     cast_elems = FUSED_CAST_BLOCK.value * FUSED_CAST_STEPS.value  # (a cast program's)
     n_cast = n_grp * cdiv(settings.SCATTER_DOCS * Ld * dim, cast_elems) if fused_cast else 0
     steps = chunk_steps(dd_chunks, fused_sc) if dd_chunks else ()
@@ -430,7 +430,7 @@ def backward_plan_of(
         normalize, deterministic, torch.get_float32_matmul_precision() if Q.dtype == torch.float32 else None,
         ragged_plan_key(rg), settings.PAIR_SCAN_MAX_WORK, settings.DQ_SPLIT_MIN_K, settings.DQ_SPLIT_MIN_PAIRS,
         settings.DQ_SPLIT_PROGRAMS_PER_SM, settings.SHARED_OWNER_MAX_WORK, settings.SHARED_OWNER_MAX_ROWS,
-        settings.FUSED_SCATTER, settings.FUSED_CAST_MAX_PROGRAMS, settings.FUSED_DQ_SUM,
+        settings.FUSED_SCATTER, settings.FUSED_CAST_MAX_PROGRAMS, settings.FUSED_DQ_SUM_MAX_SLICES,
         settings.SCATTER_BUFFER_MAX_BYTES, settings.SCATTER_CHUNK_BYTES, settings.SCATTER_CHUNK_MIN_LINKS,
         settings.SCATTER_DOCS, settings.SORTED_DD_MIN_LINKS, settings.SORTED_DD_WARPS, settings.WIDE_ATOMICS_BT,
         settings.PAIR_SCAN_DQ_UNROLL, settings.PAIR_SCAN_DQ_UNROLL_MAX_DIM, dd_gather.CHUNK,

@@ -47,11 +47,14 @@ FUSED_SCATTER = 1
 # 1.02x: not fused. Nor is it beside a split dQ walk, whose slices would then be alive with dD (128x128 Lq23 Ld333:
 # peak 32.7 -> 35.6 MiB).
 FUSED_CAST_MAX_PROGRAMS = 1 << 15
-# A split dQ walk (DQ_SPLIT_*) beside those atomics, over all documents: the last program of each query-token block
-# to finish sums the block's slices into dQ (backward.py's _dq_program, SUM_LAST; counters after dD's elements in
-# the atomics' zeroed buffer), so no slice-sum launch follows. Off: built and tested on the CPU interpreter
-# (docs/performance.md v155), not yet measured on a GPU.
-FUSED_DQ_SUM = 0
+# A split dQ walk (DQ_SPLIT_*) of at most FUSED_DQ_SUM_MAX_SLICES slices beside those atomics, over all documents: the
+# last program of each query-token block to finish sums the block's slices into dQ (backward.py's _dq_program,
+# SUM_LAST; counters after dD's elements in the atomics' zeroed buffer), so no slice-sum launch follows (0: never).
+# That program reads the slices one after another, so its sum is on the launch's tail. H200 (docs/performance.md
+# v155), backward GPU time, main + slice-sum launch -> main launch: varlen 64x256 Lq8-32 Ld20-1000 training (3 slices)
+# 64.9 + 1.4 -> 65.7 us; cross 128x128 Lq23 Ld333 (2) 62.5 + 2.1 -> 65.1; cross 7x1000 Lq23 Ld333 dim 96 (19)
+# 59.2 + 2.0 -> 67.7, hence the bound.
+FUSED_DQ_SUM_MAX_SLICES = 4
 # The fp32 buffer the fast cross product's dD atomics add into holds at most SCATTER_BUFFER_MAX_BYTES: beyond, dD is
 # summed a chunk of documents at a time, in two fp32 buffers in turn: the front of dD's own storage, not yet written,
 # and one of its own of at most SCATTER_CHUNK_BYTES (see dd_chunks.chunk_plan); each chunk's cast into dD runs in the
