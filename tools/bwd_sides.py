@@ -64,6 +64,9 @@ def sides(launch: tuple, maxnreg: int = 0) -> dict:
     if constexprs.get("FUSED_CAST"):  # (replayed, its casters would find their counts full and not wait)
         raise SystemExit("a launch that casts dD itself (FUSED_CAST) spends its counters in one run: replay it with "
                          "--variant off:FUSED_CAST_MAX_PROGRAMS=0")  # fmt: skip
+    if constexprs.get("SUM_LAST"):  # (replayed, no program would find itself the last of its block: no sums)
+        raise SystemExit("a launch that sums its split walk's slices itself (SUM_LAST) spends its counters in one "
+                         "run: replay it with --variant off:FUSED_DQ_SUM_MAX_SLICES=0")  # fmt: skip
 
     def run(g: int, i: tuple):
         return lambda: launch_backward._bwd(g, tensors, i, constexprs, *rest, **kw)
