@@ -41,7 +41,7 @@ class FakeKernel:
 @pytest.fixture
 def fake_gpu(monkeypatch):
     monkeypatch.setattr(launcher, "INTERPRETER", False)
-    monkeypatch.setattr(launcher, "_current_device", lambda: 0)
+    monkeypatch.setattr(launcher, "current_device", lambda: 0)
     monkeypatch.setattr(launcher, "_device_of", lambda t: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
 
@@ -109,7 +109,7 @@ def test_tensors_on_another_gpu_launch_under_their_device(fake_gpu, monkeypatch)
         def __exit__(self, *exc):
             current[0] = self.prev
 
-    monkeypatch.setattr(launcher, "_current_device", lambda: current[0])
+    monkeypatch.setattr(launcher, "current_device", lambda: current[0])
     monkeypatch.setattr(launcher, "_device_of", lambda t: 1 if t.shape[0] == 16 else 0)
     monkeypatch.setattr(torch.cuda, "device", DeviceGuard)
     streams = []
@@ -526,6 +526,132 @@ def test_dense_forward_reads_each_slots_own_pointer(monkeypatch, need_argmax, lq
     # (each case reaches the slots it is named for)
     assert (plan.n_rsplit > 1, plan.n_dsplit > 1) == (lq == 300, ld == 256)
     assert plan.norms_given == normalize
+    # (a repeat launches leanly only where the launch is the forward's only one and its slots are Q, D and scores)
+    assert (plan.lean is not None) == (not need_argmax and plan.n_rsplit == plan.n_dsplit == 1 and not normalize)
+
+
+def _fake_forward_kernel(monkeypatch, log: list) -> None:
+    """The forward's launcher over a fake kernel, as on a GPU whose kernels never run: Triton's path appends
+    ``("triton", grid, args, kwargs)`` and hands back a compiled kernel whose ``run`` appends ``("direct", args)``;
+    CPU tensors take the Triton path and plan as on a GPU (the interpreter's check off), on device -1 (their
+    ``get_device()``)."""
+    import inspect
+    import sys
+    from collections import OrderedDict
+
+    from triton import knobs
+
+    from maxsim.kernels import launch_args, launch_forward
+
+    backend = sys.modules["maxsim.backend"]  # (the module: ``maxsim.backend`` is also the context manager)
+    real = launch_forward._fwd.kernel
+    params = list(inspect.signature(getattr(real, "fn", real)).parameters.values())
+    names = [p.name for p in params if "constexpr" in str(p.annotation)]  # (an interpreted kernel has no list)
+
+    class Compiled:
+        function, packed_metadata = "fn", "meta"
+
+        def run(self, *args):
+            log.append(("direct", args))
+
+    class Kernel:
+        arg_names = [p.name for p in params]
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                log.append(("triton", grid, args, kwargs))
+                return Compiled()
+
+            return launch
+
+    monkeypatch.setattr(launch_forward._fwd, "kernel", Kernel())
+    monkeypatch.setattr(launch_forward._fwd, "_names", names)
+    monkeypatch.setattr(launch_forward._fwd, "_known", OrderedDict())
+    monkeypatch.setattr(launch_forward._fwd, "_runtime_knobs", knobs.runtime)
+    monkeypatch.setattr(launch_forward, "plans", {})
+    monkeypatch.setattr(launcher, "INTERPRETER", False)
+    monkeypatch.setattr(launch_args, "INTERPRETER", False)
+    monkeypatch.setattr(backend, "_INTERPRETER", True)  # (the Triton path for CPU tensors, asked for)
+    monkeypatch.setattr(launcher, "current_device", lambda: -1)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+
+
+@pytest.mark.parametrize(
+    "q_shape, d_shape, normalize",
+    [
+        ((3, 5, 16), (4, 7, 16), False),
+        ((3, 5, 16), (3, 2, 7, 16), False),
+        ((5, 16), (4, 7, 16), False),
+        ((3, 5, 16), (7, 16), False),
+        ((3, 5, 16), (4, 7, 16), True),
+    ],
+    ids=["cross", "candidates", "2-D query", "2-D document", "normalized"],
+)
+def test_a_repeated_dense_call_launches_leanly_as_the_full_path(monkeypatch, q_shape, d_shape, normalize):
+    """A repeated dense scores-only call (``launch_forward._run_lean``) calls the compiled kernel with the arguments
+    that the full path's planned launch passes, slot for slot (each call's own fresh scores where that passes its
+    own), and returns them in the caller's shape; an installed launch hook, another current device and tensors of
+    another alignment take the full path again (the last once: Triton's own path for its variant). (Normalized:
+    the launch functions themselves, as a GPU call repeats them; a CPU call with ``normalize`` never repeats.)"""
+    from helpers import spy
+
+    import maxsim
+    from maxsim.kernels import launch_forward
+
+    log: list = []
+    _fake_forward_kernel(monkeypatch, log)
+    full = spy(monkeypatch, launch_forward, "run_forward")
+    Q, D = torch.randn(q_shape), torch.randn(d_shape)
+    want = maxsim.maxsim(Q.double(), D.double()).shape  # (the PyTorch path's, in the caller's shape)
+    first = [True]
+
+    def call(Q=Q):
+        with torch.no_grad():
+            if not normalize:
+                with maxsim.backend("triton"):
+                    return maxsim.maxsim(Q, D)
+            Dc = D[None]  # (the canonical layout: shared documents)
+            if first.pop() if first else False:
+                scores = launch_forward.forward_keeping_norms(Q, Dc, None, None, True, False)[0]
+                launch_forward.keep_repeat("repeat", Q, Dc, True, None)
+                return scores
+            return launch_forward.run_repeat("repeat", Q, Dc)
+
+    outs = [call() for _ in range(4)]
+    (plan,) = {id(p): p for p in launch_forward.plans.values()}.values()
+    assert plan.lean is not None
+    assert [e[0] for e in log] == ["triton", "direct", "direct", "direct"]
+    assert len(full) == 2  # (the first call, and the first repeat, which files the lean entry)
+    assert len(plan.lean) == 1
+
+    def marked(args, scores, Q=Q):
+        assert args.count(scores.data_ptr()) > 0
+        names = {scores.data_ptr(): "scores", Q.data_ptr(): "Q"}
+        return [names.get(a, a) if type(a) is int else a for a in args]
+
+    general = marked(log[1][1], outs[1])
+    assert marked(log[2][1], outs[2]) == marked(log[3][1], outs[3]) == general
+    assert [(o.shape, o.dtype) for o in outs] == [(want, torch.float32)] * 4
+    assert len({o.data_ptr() for o in outs}) == 4  # (fresh scores every call)
+
+    class Chain:
+        calls = [print]
+
+    from triton import knobs
+
+    with monkeypatch.context() as m:
+        m.setattr(knobs.runtime, "launch_enter_hook", Chain(), raising=False)
+        call()
+    assert log[-1][0] == "triton" and len(full) == 3
+    with monkeypatch.context() as m:
+        m.setattr(launcher, "current_device", lambda: 0)
+        call()
+    assert len(full) == 4
+    Q_off = torch.randn(Q.numel() + 1)[1:].view(Q.shape)  # (4-byte aligned: another variant of the kernel)
+    out = [call(Q_off) for _ in range(3)]
+    # (its first call files its variant's entry: the next ones are lean)
+    assert [e[0] for e in log[-3:]] == ["triton", "direct", "direct"] and len(full) == 5
+    assert marked(log[-1][1], out[-1], Q_off) == general
 
 
 @pytest.mark.parametrize("normalize", [False, True])

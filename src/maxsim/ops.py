@@ -192,9 +192,10 @@ def run_repeat(
         # (one argument for what autograd need not look at: each argument of apply costs host time)
         extras = None if q_mask is None and d_mask is None and rg is None else ((q_mask, d_mask), rg)
         return (_step_apply if _plain_pair(Q, D) else _RepeatedStep.apply)(Q, D, step, extras)
-    run = _cpu_repeats.get(key)
-    if run is not None:
-        return run(Q, D)
+    if Q.is_cpu:  # (a GPU call's signature is never among them: it holds the device)
+        run = _cpu_repeats.get(key)
+        if run is not None:
+            return run(Q, D)
     return None if _launch is None else _launch.run_repeat(key, Q, D, q_mask, d_mask, rg)
 
 

@@ -35,7 +35,7 @@ def _hooked(hook: Any) -> bool:
     return bool(calls) if calls is not None else True
 
 
-def _current_device() -> int:
+def current_device() -> int:
     # torch.cuda.current_device() without its lazy-init check (~2 µs): a launch only follows CUDA tensors, so
     # CUDA is initialized.
     return torch._C._cuda_getDevice()
@@ -43,6 +43,29 @@ def _current_device() -> int:
 
 def _device_of(t: torch.Tensor) -> int:
     return t.get_device()
+
+
+def hooks_installed() -> bool:
+    """A launch hook is installed (a profiler's): launches must then take Triton's own path, which calls it."""
+    rt = _runtime_knobs()
+    return rt is not None and (_hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook))
+
+
+def _runtime_knobs() -> Any:
+    global _RUNTIME
+    if _RUNTIME is None and not INTERPRETER:
+        from triton import knobs
+
+        _RUNTIME = knobs.runtime
+    return _RUNTIME
+
+
+_RUNTIME: Any = None
+
+
+def current_stream(device: int) -> int:
+    """The raw CUDA stream current on ``device`` (what Triton's launches take)."""
+    return torch._C._cuda_getCurrentRawStream(device)
 
 
 class Launcher:
@@ -87,7 +110,7 @@ class Launcher:
             self.kernel[(grid,)](*tensors, *ints, **constexprs, num_warps=num_warps, num_stages=num_stages)
             return
         device = _device_of(tensors[0])
-        if device != _current_device() and device >= 0:  # (a CPU or meta tensor's -1: no device to switch to)
+        if device != current_device() and device >= 0:  # (a CPU or meta tensor's -1: no device to switch to)
             # Triton compiles for, and launches on, the current device; tensors on another GPU (cuda:1 while cuda:0
             # is current) would get device 0's kernel run on device 1's pointers. Rare, so a guard only here.
             with torch.cuda.device(device):
@@ -132,3 +155,13 @@ class Launcher:
             pointers = [t.data_ptr() for t in tensors]
         run(grid, 1, 1, torch._C._cuda_getCurrentRawStream(device), function, metadata, None, None, None,
             *pointers, *ints, *values)  # fmt: skip
+
+    @staticmethod
+    def lean_entry(plan_cache: dict, short_key: tuple, ints: tuple) -> tuple | None:
+        """``(run, function, metadata, tail)`` of the launch that ``plan_cache`` (see :meth:`__call__`) holds under
+        ``short_key`` (the device and the foreign tensors' alignments), ``tail`` being what follows the pointers in
+        its call (``ints``, then the constexprs' values) as one tuple; None if it holds none. For callers that
+        repeat one launch of fixed integers and check :func:`hooks_installed` and the current device themselves:
+        ``run(grid, 1, 1, current_stream(device), function, metadata, None, None, None, *pointers, *tail)``."""
+        hit = plan_cache.get(short_key)
+        return None if hit is None else (hit[0], hit[1], hit[2], (*ints, *hit[3]))
