@@ -577,17 +577,19 @@ def _fake_forward_kernel(monkeypatch, log: list) -> None:
 
 
 @pytest.mark.parametrize(
-    "q_shape, d_shape, normalize",
+    "q_shape, d_shape, normalize, masks",
     [
-        ((3, 5, 16), (4, 7, 16), False),
-        ((3, 5, 16), (3, 2, 7, 16), False),
-        ((5, 16), (4, 7, 16), False),
-        ((3, 5, 16), (7, 16), False),
-        ((3, 5, 16), (4, 7, 16), True),
+        ((3, 5, 16), (4, 7, 16), False, ""),
+        ((3, 5, 16), (3, 2, 7, 16), False, ""),
+        ((5, 16), (4, 7, 16), False, ""),
+        ((3, 5, 16), (7, 16), False, ""),
+        ((3, 5, 16), (4, 7, 16), True, ""),
+        ((3, 5, 16), (4, 7, 16), False, "d"),
+        ((3, 5, 16), (3, 2, 7, 16), False, "qd"),
     ],
-    ids=["cross", "candidates", "2-D query", "2-D document", "normalized"],
+    ids=["cross", "candidates", "2-D query", "2-D document", "normalized", "document mask", "both masks"],
 )
-def test_a_repeated_dense_call_launches_leanly_as_the_full_path(monkeypatch, q_shape, d_shape, normalize):
+def test_a_repeated_dense_call_launches_leanly_as_the_full_path(monkeypatch, q_shape, d_shape, normalize, masks):
     """A repeated dense scores-only call (``launch_forward._run_lean``) calls the compiled kernel with the arguments
     that the full path's planned launch passes, slot for slot (each call's own fresh scores where that passes its
     own), and returns them in the caller's shape; an installed launch hook, another current device and tensors of
@@ -602,6 +604,8 @@ def test_a_repeated_dense_call_launches_leanly_as_the_full_path(monkeypatch, q_s
     _fake_forward_kernel(monkeypatch, log)
     full = spy(monkeypatch, launch_forward, "run_forward")
     Q, D = torch.randn(q_shape), torch.randn(d_shape)
+    qm = torch.rand(q_shape[:-1]) > 0.3 if "q" in masks else None
+    dm = torch.rand(d_shape[:-1]) > 0.3 if "d" in masks else None
     want = maxsim.maxsim(Q.double(), D.double()).shape  # (the PyTorch path's, in the caller's shape)
     first = [True]
 
@@ -609,7 +613,7 @@ def test_a_repeated_dense_call_launches_leanly_as_the_full_path(monkeypatch, q_s
         with torch.no_grad():
             if not normalize:
                 with maxsim.backend("triton"):
-                    return maxsim.maxsim(Q, D)
+                    return maxsim.maxsim(Q, D, qm, dm)
             Dc = D[None]  # (the canonical layout: shared documents)
             if first.pop() if first else False:
                 scores = launch_forward.forward_keeping_norms(Q, Dc, None, None, True, False)[0]
@@ -627,9 +631,11 @@ def test_a_repeated_dense_call_launches_leanly_as_the_full_path(monkeypatch, q_s
     def marked(args, scores, Q=Q):
         assert args.count(scores.data_ptr()) > 0
         names = {scores.data_ptr(): "scores", Q.data_ptr(): "Q"}
+        names.update({m.data_ptr(): name for m, name in ((qm, "q_mask"), (dm, "d_mask")) if m is not None})
         return [names.get(a, a) if type(a) is int else a for a in args]
 
     general = marked(log[1][1], outs[1])
+    assert [general.count(m) for m in ("q_mask", "d_mask")] == [int("q" in masks), int("d" in masks)]
     assert marked(log[2][1], outs[2]) == marked(log[3][1], outs[3]) == general
     assert [(o.shape, o.dtype) for o in outs] == [(want, torch.float32)] * 4
     assert len({o.data_ptr() for o in outs}) == 4  # (fresh scores every call)
