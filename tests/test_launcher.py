@@ -526,8 +526,8 @@ def test_dense_forward_reads_each_slots_own_pointer(monkeypatch, need_argmax, lq
     # (each case reaches the slots it is named for)
     assert (plan.n_rsplit > 1, plan.n_dsplit > 1) == (lq == 300, ld == 256)
     assert plan.norms_given == normalize
-    # (a repeat launches leanly only where the launch is the forward's only one and its slots are Q, D and scores)
-    assert (plan.lean is not None) == (not need_argmax and plan.n_rsplit == plan.n_dsplit == 1 and not normalize)
+    # (a repeat launches leanly only where the launch is the forward's only one and its slots the call's tensors)
+    assert (plan.lean is not None) == (plan.n_rsplit == plan.n_dsplit == 1 and not normalize)
 
 
 def _fake_forward_kernel(monkeypatch, log: list) -> None:
@@ -577,28 +577,34 @@ def _fake_forward_kernel(monkeypatch, log: list) -> None:
 
 
 @pytest.mark.parametrize(
-    "q_shape, d_shape, normalize, masks",
+    "q_shape, d_shape, how, masks",
     [
-        ((3, 5, 16), (4, 7, 16), False, ""),
-        ((3, 5, 16), (3, 2, 7, 16), False, ""),
-        ((5, 16), (4, 7, 16), False, ""),
-        ((3, 5, 16), (7, 16), False, ""),
-        ((3, 5, 16), (4, 7, 16), True, ""),
-        ((3, 5, 16), (4, 7, 16), False, "d"),
-        ((3, 5, 16), (3, 2, 7, 16), False, "qd"),
+        ((3, 5, 16), (4, 7, 16), "scores", ""),
+        ((3, 5, 16), (3, 2, 7, 16), "scores", ""),
+        ((5, 16), (4, 7, 16), "scores", ""),
+        ((3, 5, 16), (7, 16), "scores", ""),
+        ((3, 5, 16), (4, 7, 16), "normalized", ""),
+        ((3, 5, 16), (4, 7, 16), "scores", "d"),
+        ((3, 5, 16), (3, 2, 7, 16), "scores", "qd"),
+        ((3, 5, 16), (4, 7, 16), "step", ""),
+        ((3, 5, 16), (3, 2, 7, 16), "step", "qd"),
     ],
-    ids=["cross", "candidates", "2-D query", "2-D document", "normalized", "document mask", "both masks"],
-)
-def test_a_repeated_dense_call_launches_leanly_as_the_full_path(monkeypatch, q_shape, d_shape, normalize, masks):
-    """A repeated dense scores-only call (``launch_forward._run_lean``) calls the compiled kernel with the arguments
-    that the full path's planned launch passes, slot for slot (each call's own fresh scores where that passes its
-    own), and returns them in the caller's shape; an installed launch hook, another current device and tensors of
-    another alignment take the full path again (the last once: Triton's own path for its variant). (Normalized:
-    the launch functions themselves, as a GPU call repeats them; a CPU call with ``normalize`` never repeats.)"""
+    ids=[
+        "cross", "candidates", "2-D query", "2-D document", "normalized", "document mask", "both masks", "step",
+        "step, masks",
+    ],
+)  # fmt: skip
+def test_a_repeated_dense_call_launches_leanly_as_the_full_path(monkeypatch, q_shape, d_shape, how, masks):
+    """A repeated dense call (``launch_forward.run_lean``) calls the compiled kernel with the arguments that the full
+    path's planned launch passes, slot for slot (each call's own fresh scores, and a step's argmax, where that
+    passes its own), and returns them in the caller's shape; an installed launch hook, another current device and
+    tensors of another alignment take the full path again (the last once: Triton's own path for its variant).
+    (Normalized scores and a training step's forward: the launch functions themselves, as a GPU call repeats them;
+    a CPU call with ``normalize`` never repeats, and a step's backward would run the real kernels here.)"""
     from helpers import spy
 
     import maxsim
-    from maxsim.kernels import launch_forward
+    from maxsim.kernels import launch, launch_forward
 
     log: list = []
     _fake_forward_kernel(monkeypatch, log)
@@ -608,21 +614,32 @@ def test_a_repeated_dense_call_launches_leanly_as_the_full_path(monkeypatch, q_s
     dm = torch.rand(d_shape[:-1]) > 0.3 if "d" in masks else None
     want = maxsim.maxsim(Q.double(), D.double()).shape  # (the PyTorch path's, in the caller's shape)
     first = [True]
+    argmaxes = []
 
     def call(Q=Q):
         with torch.no_grad():
-            if not normalize:
+            if how == "scores":
                 with maxsim.backend("triton"):
                     return maxsim.maxsim(Q, D, qm, dm)
-            Dc = D[None]  # (the canonical layout: shared documents)
+            Dc = D[None] if D.dim() == 3 else D  # (the canonical layout: shared documents, or candidates)
+            step = how == "step"
             if first.pop() if first else False:
-                scores = launch_forward.forward_keeping_norms(Q, Dc, None, None, True, False)[0]
-                launch_forward.keep_repeat("repeat", Q, Dc, True, None)
-                return scores
-            return launch_forward.run_repeat("repeat", Q, Dc)
+                scores, argmax, _ = launch_forward.forward_keeping_norms(Q, Dc, qm, dm, not step, step)
+                if step:
+                    launch.keep_step("step", Q, Dc, False, False, None, qm, dm)
+                else:
+                    launch_forward.keep_repeat("repeat", Q, Dc, True, None)
+            elif step:
+                scores, argmax, _ = launch.step_forward(launch.step_plan("step"), Q, Dc, qm, dm)
+            else:
+                scores, argmax = launch_forward.run_repeat("repeat", Q, Dc), None
+            assert (argmax is not None) == step
+            argmaxes.append(argmax)
+            return scores
 
     outs = [call() for _ in range(4)]
-    (plan,) = {id(p): p for p in launch_forward.plans.values()}.values()
+    forward_plans = [p.forward if isinstance(p, launch.StepPlan) else p for p in launch_forward.plans.values()]
+    (plan,) = {id(p): p for p in forward_plans}.values()
     assert plan.lean is not None
     assert [e[0] for e in log] == ["triton", "direct", "direct", "direct"]
     assert len(full) == 2  # (the first call, and the first repeat, which files the lean entry)
@@ -632,6 +649,10 @@ def test_a_repeated_dense_call_launches_leanly_as_the_full_path(monkeypatch, q_s
         assert args.count(scores.data_ptr()) > 0
         names = {scores.data_ptr(): "scores", Q.data_ptr(): "Q"}
         names.update({m.data_ptr(): name for m, name in ((qm, "q_mask"), (dm, "d_mask")) if m is not None})
+        if how == "step":
+            (argmax,) = [a for a in argmaxes if a is not None and a.data_ptr() in args]
+            assert argmax.shape == (*scores.shape, Q.shape[-2]) and argmax.dtype == plan.argmax_dtype
+            names[argmax.data_ptr()] = "argmax"
         return [names.get(a, a) if type(a) is int else a for a in args]
 
     general = marked(log[1][1], outs[1])

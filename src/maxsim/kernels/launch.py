@@ -57,6 +57,8 @@ def step_forward(
 ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
     """Scores, argmax and inverse norms (as :func:`forward_keeping_norms`) of a repeated training call: the
     forward plan's allocations and launches only (the masks and ``rg`` as in :func:`run_repeat`)."""
+    if step.forward.lean is not None:
+        return (*launch_forward.run_lean(step.forward, Q, D, q_mask, d_mask, True), None)
     segs = (Q, Q, Q, Q) if rg is None else segment_pointers(Q, rg)
     return launch_forward.run_forward(step.forward, Q, D, q_mask, d_mask, segs, True)
 

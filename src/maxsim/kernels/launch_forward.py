@@ -149,7 +149,7 @@ class ForwardPlan(NamedTuple):
     combine: tuple | None
     combine_launches: dict  # the launcher's plan cache of the fold
     packed: tuple[bool, bool]  # Q, D packed rows: their counts in ``ints`` are each call's (launch_args.with_rows)
-    # A dense scores-only forward of one launch (no segments, argmax, norms' pre-pass, row split or chunks):
+    # A dense forward of one launch (no segments, norms' pre-pass, row split or chunks):
     # its repeats' launch entries by alignment (:func:`run_repeat`); None for every other plan.
     lean: dict | None
 
@@ -213,17 +213,20 @@ def run_repeat(
     if plan is None:
         return None
     if plan.lean is not None:
-        return _run_lean(plan, Q, D, q_mask, d_mask)
+        return run_lean(plan, Q, D, q_mask, d_mask, False)[0]
     return run_forward(plan, Q, D, q_mask, d_mask, (Q, Q, Q, Q) if rg is None else segment_pointers(Q, rg), False)[0]
 
 
-def _run_lean(plan: ForwardPlan, Q: Tensor, D: Tensor, q_mask: Tensor | None, d_mask: Tensor | None) -> Tensor:
-    """:func:`run_forward` of a lean plan (:attr:`ForwardPlan.lean`) for a repeat: the allocation and the launch's
-    call, its integers and constexpr values one tuple kept by the launch's alignment, the pointers written out as
-    :func:`run_forward` composes them (``tools/host_stub.py`` on the CPU machine: the tiny inference call 13.7-14.6
-    -> 10.5-11.0 µs). The masks are the caller's (a bool mask's pointer is its uint8 view's). The first call of an
-    alignment, a call on a device other than the current one, and any call while a launch hook is installed take
-    :func:`run_forward`. Syncs: none."""
+def run_lean(
+    plan: ForwardPlan, Q: Tensor, D: Tensor, q_mask: Tensor | None, d_mask: Tensor | None, need_argmax: bool
+) -> tuple[Tensor, Tensor | None]:
+    """``(scores, argmax or None)``: :func:`run_forward` of a lean plan (:attr:`ForwardPlan.lean`) for a repeat
+    (``need_argmax``: a training step's), its allocations and the launch's call, whose integers and constexpr
+    values are one tuple kept by the launch's alignment and whose pointers are written out as :func:`run_forward`
+    composes them (``tools/host_stub.py`` on the CPU machine: the tiny inference call 13.7-14.6 -> 10.5-11.0 µs).
+    The masks are the caller's (a bool mask's pointer is its uint8 view's). The first call of an alignment, a call
+    on a device other than the current one, and any call while a launch hook is installed take :func:`run_forward`.
+    Syncs: none."""
     q, d = Q.data_ptr(), D.data_ptr()
     device = Q.get_device()
     if q_mask is None and d_mask is None:
@@ -235,20 +238,25 @@ def _run_lean(plan: ForwardPlan, Q: Tensor, D: Tensor, q_mask: Tensor | None, d_
         short_key = (device, q & 15, d & 15, qm & 15, dm & 15, q & 15, q & 15, q & 15, q & 15)  # (and segments')
     entry = plan.lean.get(short_key)
     if entry is None or device != launcher.current_device() or launcher.hooks_installed():
-        scores = run_forward(plan, Q, D, q_mask, d_mask, (Q, Q, Q, Q), False)[0]
+        scores, argmax, _norms = run_forward(plan, Q, D, q_mask, d_mask, (Q, Q, Q, Q), need_argmax)
         if entry is None:
             entry = Launcher.lean_entry(plan.launches, short_key, plan.ints)
             if entry is not None:
                 plan.lean[short_key] = entry
-        return scores
+        return scores, argmax
     run, function, metadata, tail = entry
     scores = torch.empty(plan.out_shape, dtype=torch.float32, device=Q.device)
     s = scores.data_ptr()
+    argmax = None
+    a = s
+    if need_argmax:
+        argmax = torch.empty((*plan.out_shape, plan.Lq), dtype=plan.argmax_dtype, device=Q.device)
+        a = argmax.data_ptr()
     # (run_forward's slots without segments or norms: Q, D, masks, segments, out, argmax, norms, rows; unused ones
     # hold Q's pointer, the outputs the scores')
     run(plan.grid, 1, 1, launcher.current_stream(device), function, metadata, None, None, None,
-        q, d, qm, dm, q, q, q, q, s, s, q, d, s, *tail)  # fmt: skip
-    return scores
+        q, d, qm, dm, q, q, q, q, s, a, q, d, s, *tail)  # fmt: skip
+    return scores, argmax
 
 
 def forward_keeping_norms(
@@ -388,7 +396,7 @@ def forward_keeping_norms(
         combine,
         {},
         (sg.q_kind == OFFSETS, sg.d_kind == OFFSETS),
-        {} if rg is None and not need_argmax and not norms_given and n_rsplit == 1 and n_dsplit == 1 else None,
+        {} if rg is None and not norms_given and n_rsplit == 1 and n_dsplit == 1 else None,
     )  # fmt: skip
     assert plan.ints[ROWS_AT - 1 : ROWS_AT + 3] == (sg.n_q, sg.rows_q, sg.n_d, sg.rows_d)  # (with_rows' slots)
     if key is not None:
