@@ -1131,3 +1131,24 @@ def test_cli_ragged_quick_through_real_functions(tmp_path, capsys):
             assert r["ragged"]["pairs"] > 0
         else:
             assert r["status"] == "skipped"
+
+
+def test_run_records_the_hosts_state_at_its_start_and_end(small_result, tmp_path):
+    host = small_result.meta["host_us"]
+    assert list(host) == ["start", "end"]
+    for probe in host.values():
+        assert set(probe) == {"autograd_grad_us", "eager_op_us"}
+        assert all(math.isfinite(v) and 0 < v < 1e5 for v in probe.values())
+    note = runner.host_note(host)
+    assert note.count("autograd.grad") == 2 and note.index("start") < note.index("end")
+    assert f"{host['end']['eager_op_us']:.1f} µs at the end" in note
+    md = report.markdown(small_result)
+    assert f"Host state (calls no implementation takes part in, host time per call): {note}." in md
+    doc = report.to_json(small_result)
+    assert doc["meta"]["host_us"] == host
+    # merged runs name each run's host state in its own line; a file written before the probe has none
+    old = report.Result(meta={k: v for k, v in small_result.meta.items() if k != "host_us"}, rows=small_result.rows)
+    merged = report.merge([old, small_result])
+    md = report.markdown(merged)
+    assert "Host state" not in md and md.count("Host: ") == 1 and f"Host: {note}." in md
+    assert "Host" not in report.markdown(old)

@@ -47,3 +47,14 @@ def test_inference_and_cpu_rows_ignore_memory():
         _row("train", "cpu-step", "maxsim", 1.0), _row("train", "cpu-step", "eager", 1.5),
     ])  # fmt: skip
     assert [(t["met"], t["mib"]) for t in targets(doc)] == [(True, None), (True, None)]
+
+
+def test_the_hosts_state_follows_the_table_where_the_run_recorded_it():
+    rows = [_row("infer", "scan", "maxsim", 1.0), _row("infer", "scan", "lik", 1.15)]
+    assert "host:" not in table(_doc(rows))
+    doc = _doc(rows)
+    probe = {"autograd_grad_us": 146.04, "eager_op_us": 8.21}
+    doc["meta"]["host_us"] = {"start": probe, "end": dict(probe, autograd_grad_us=301.5)}
+    last = table(doc, markdown=True).splitlines()[-1]
+    assert last.startswith("host: a bare autograd.grad 146.0 µs, an eager op 8.2 µs at the start; ")
+    assert last.endswith("a bare autograd.grad 301.5 µs, an eager op 8.2 µs at the end")

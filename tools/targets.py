@@ -90,6 +90,10 @@ def table(doc: dict, markdown: bool = False) -> str:
     met = sum(t["met"] for t in rows)
     out.append(f"\n{met} of {len(rows)} maxsim rows meet their target ({doc['meta'].get('device_name')}, "
                f"commit {doc['meta'].get('git_commit')})")  # fmt: skip
+    if doc["meta"].get("host_us"):
+        from maxsim.bench.runner import host_note
+
+        out.append(f"host: {host_note(doc['meta']['host_us'])}")
     return "\n".join(out)
 
 

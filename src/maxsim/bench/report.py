@@ -5,7 +5,7 @@ JSON schema (``"schema": "maxsim-bench/1"``)::
 
     {"schema": ..., "meta": {card, device, device_name, dtype, torch, triton, cuda, python, git_commit,
                              git_dirty, date, cpu_threads, copy_bandwidth_gbps, matmul_tflops,
-                             matmul_dtype, impl_versions, tolerance, argv, quick},
+                             matmul_dtype, impl_versions, tolerance, argv, quick, host_us},
      "rows": [{workload, mode, layout, note, shape, dtype, impl, card, status, reason, ms, peak_mib,
                rel_err, grad_err, grad_identity_err, flops, bytes, floor_ms, floor_frac, vs_eager,
                vs_best_peer, vs_padded, ragged, torch, triton, cuda, git_commit}, ...]}
@@ -19,7 +19,8 @@ Ragged workloads (``layout`` ``varlen`` or ``pairlist``) were added compatibly: 
 ``ragged`` (the drawn lengths: ``{dist, lq_mean, lq_max, ld_mean, ld_max, pairs, q_tokens, d_tokens, sims,
 padded_sims, padding}``, ``padding`` = ``padded_sims / sims``; null for dense rows) are :data:`OPTIONAL_ROW_FIELDS`,
 absent from files written before them. A ragged ``shape`` names ranges as ``Lq_min``/``Lq_max``
-(``Ld_min``/``Ld_max``) and a pair list adds ``pool`` and ``P``.
+(``Ld_min``/``Ld_max``) and a pair list adds ``pool`` and ``P``. The meta's ``host_us`` (the host's state at the
+run's start and end, :func:`~maxsim.bench.runner.host_probe`) is absent from files written before it.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .peers import IMPL_NAMES
-from .runner import Result, Row, best_peer, group_rows
+from .runner import Result, Row, best_peer, group_rows, host_note
 from .workloads import RAGGED_LAYOUTS, format_shape
 
 SCHEMA = "maxsim-bench/1"
@@ -323,11 +324,16 @@ def markdown(result: Result) -> str:
             f"Run {i + 1} of {len(m['parts'])}: commit {part.get('git_commit')}, {part.get('date')}, `{args}`; "
             f"copy {part.get('copy_bandwidth_gbps') or 0:.0f} GB/s, matmul {part.get('matmul_tflops') or 0:.0f} "
             "TFLOP/s (each workload's rows come from one run)."
+            + (f" Host: {host_note(part['host_us'])}." if part.get("host_us") else "")
         )
     if m.get("copy_bandwidth_gbps"):
         out.append(
             f"Measured roofline: copy {m['copy_bandwidth_gbps']:.0f} GB/s, {m.get('matmul_dtype')} matmul "
             f"{m['matmul_tflops']:.0f} TFLOP/s."
+        )
+    if m.get("host_us") and not m.get("parts"):
+        out.append(
+            f"Host state (calls no implementation takes part in, host time per call): {host_note(m['host_us'])}."
         )
     out += [
         "",
@@ -497,7 +503,7 @@ def merge(results: list[Result]) -> Result:
     for r in results:
         for row in r.rows:
             rows[(row.mode, row.workload, row.impl)] = row
-    keys = ("git_commit", "date", "argv", "copy_bandwidth_gbps", "matmul_tflops")
+    keys = ("git_commit", "date", "argv", "copy_bandwidth_gbps", "matmul_tflops", "host_us")
     parts = [part for r in results for part in (r.meta.get("parts") or [{k: r.meta.get(k) for k in keys}])]
     meta = dict(first)
     meta["git_commit"] = "+".join(dict.fromkeys(str(p.get("git_commit")) for p in parts))

@@ -291,6 +291,21 @@ def make_host_timer(device: torch.device, warmup_ms: float, rep_ms: float) -> Ca
     return lambda fn: _host_ms(fn, warmup_ms, rep_ms, sync)
 
 
+def host_probe(device: torch.device, warmup_ms: float, rep_ms: float) -> dict[str, float]:
+    """Host time per call, µs (:func:`_host_ms`), of two calls that no implementation under test takes part in: a
+    bare ``autograd.grad`` of ``(x * 2).sum()`` (the autograd engine's own cost, which every training row pays) and
+    one eager op into a preallocated output (a dispatch and a launch). A run records them before its first workload
+    and after its last: the lent GPU hosts move by 2x within minutes, and host-bound rows (tiny calls, small training
+    steps, every peer's included) move with them, so a result carries the state its host was in. Syncs: between
+    batches of calls, outside the timed span (as the host timer does)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    x = torch.randn(1024, device=device, requires_grad=True)
+    xd, out = x.detach(), torch.empty(1024, device=device)
+    grad_ms = _host_ms(lambda: torch.autograd.grad((x * 2).sum(), (x,)), warmup_ms, rep_ms, sync)
+    op_ms = _host_ms(lambda: torch.neg(xd, out=out), warmup_ms, rep_ms, sync)
+    return {"autograd_grad_us": grad_ms * 1e3, "eager_op_us": op_ms * 1e3}
+
+
 def make_timer(device: torch.device, warmup_ms: float, rep_ms: float) -> Callable[[Callable[[], Any]], float]:
     """``timer(fn) -> median ms`` for ``device``."""
     if device.type == "cuda":
@@ -701,6 +716,7 @@ def run(
     ctx = _Ctx(
         device=device, dtype=dtype, tol=TOLERANCE.get(dtype, 1e-4), timer=timer, host_timer=host_timer, rounds=rounds
     )
+    meta["host_us"] = {"start": host_probe(device, warmup_ms, rep_ms)}
     result = Result(meta=meta)
     plan = [(w, [i for i in impls if w.ragged or not i.ragged_only]) for w in workloads]
     bar = _Progress(sum(len(row_impls) for _, row_impls in plan), len(workloads), progress, log)
@@ -756,8 +772,20 @@ def run(
             _free(device, collect=True)
     finally:
         bar.close()
+    meta["host_us"]["end"] = host_probe(device, warmup_ms, rep_ms)
+    log(f"host: {host_note(meta['host_us'])}")
     compute_ratios(result.rows)
     return result
+
+
+def host_note(host_us: dict) -> str:
+    """``meta["host_us"]`` (:func:`host_probe` at a run's start and end) as one line."""
+    parts = [
+        f"a bare autograd.grad {p['autograd_grad_us']:.1f} µs, an eager op {p['eager_op_us']:.1f} µs at the {when}"
+        for when, p in host_us.items()
+        if p
+    ]
+    return "; ".join(parts)
 
 
 def best_peer(group: list[Row]) -> Row | None:
