@@ -1140,8 +1140,23 @@ def test_run_records_the_hosts_state_at_its_start_and_end(small_result, tmp_path
         assert set(probe) == {"autograd_grad_us", "eager_op_us"}
         assert all(math.isfinite(v) and 0 < v < 1e5 for v in probe.values())
     note = runner.host_note(host)
-    assert note.count("autograd.grad") == 2 and note.index("start") < note.index("end")
-    assert f"{host['end']['eager_op_us']:.1f} µs at the end" in note
+    assert note.count("autograd.grad") == 2 and note.startswith("start: a bare autograd.grad ")
+    assert f"; end: a bare autograd.grad {host['end']['autograd_grad_us']:.1f} µs" in note
+    assert note.endswith(f"an eager op {host['end']['eager_op_us']:.1f} µs")
+    # each workload's rows carry the host's state just before their timing: one probe a workload, taken after
+    # the run's start and before its end
+    by_workload: dict = {}
+    for r in small_result.rows:
+        if r.status in ("ok", "FAIL"):
+            assert r.host_us is not None and set(r.host_us) == {"autograd_grad_us", "eager_op_us"}
+            by_workload.setdefault((r.mode, r.workload), []).append(r.host_us)
+    assert len(by_workload) == 3 and all(len({tuple(p.values()) for p in ps}) == 1 for ps in by_workload.values())
+    assert len({tuple(ps[0].values()) for ps in by_workload.values()}) == 3
+    assert all(r.host_us is None for r in small_result.rows if r.status == "skipped")
+    doc = report.to_json(small_result)
+    report.validate_json(doc)
+    assert [r["host_us"] for r in doc["rows"]] == [r.host_us for r in small_result.rows]
+    assert [r.host_us for r in report.rows_from_json(doc)] == [r.host_us for r in small_result.rows]
     md = report.markdown(small_result)
     assert f"Host state (calls no implementation takes part in, host time per call): {note}." in md
     doc = report.to_json(small_result)

@@ -56,5 +56,22 @@ def test_the_hosts_state_follows_the_table_where_the_run_recorded_it():
     probe = {"autograd_grad_us": 146.04, "eager_op_us": 8.21}
     doc["meta"]["host_us"] = {"start": probe, "end": dict(probe, autograd_grad_us=301.5)}
     last = table(doc, markdown=True).splitlines()[-1]
-    assert last.startswith("host: a bare autograd.grad 146.0 µs, an eager op 8.2 µs at the start; ")
-    assert last.endswith("a bare autograd.grad 301.5 µs, an eager op 8.2 µs at the end")
+    assert last == ("host: start: a bare autograd.grad 146.0 µs, an eager op 8.2 µs; "
+                    "end: a bare autograd.grad 301.5 µs, an eager op 8.2 µs")  # fmt: skip
+    # the probe before a row with an absolute target (the tiny call, the small step) comes between them; other
+    # rows' probes stay in the JSON
+    tiny = [
+        _row("infer", "cross-4x4-lq8-ld8-host", "maxsim", 0.03),
+        _row("infer", "cross-4x4-lq8-ld8-host", "eager", 0.09),
+    ]
+    step = [_row("train", "cross-32x32-lq32-ld80", "maxsim", 0.3), _row("train", "cross-32x32-lq32-ld80", "lik", 0.9)]
+    tiny[0]["host_us"] = {"autograd_grad_us": 120.0, "eager_op_us": 6.0}
+    step[0]["host_us"] = {"autograd_grad_us": 200.0, "eager_op_us": 7.0}
+    rows[0]["host_us"] = {"autograd_grad_us": 999.0, "eager_op_us": 9.0}
+    doc = _doc(rows + tiny + step)
+    doc["meta"]["host_us"] = {"start": probe, "end": probe}
+    last = table(doc).splitlines()[-1]
+    assert last == ("host: start: a bare autograd.grad 146.0 µs, an eager op 8.2 µs; "
+                    "before infer/cross-4x4-lq8-ld8-host: a bare autograd.grad 120.0 µs, an eager op 6.0 µs; "
+                    "before train/cross-32x32-lq32-ld80: a bare autograd.grad 200.0 µs, an eager op 7.0 µs; "
+                    "end: a bare autograd.grad 146.0 µs, an eager op 8.2 µs")  # fmt: skip

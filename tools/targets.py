@@ -8,7 +8,9 @@ R = 1.15, E = 0.85 for inference, R = 1.5, E = 0.70 for the compute-bound infere
 Training rows must also take no more peak extra memory than the best peer (``peak_mib``, measured on a GPU).
 Host-timed rows (names ending in ``-host``: the calling thread's time per call) have issue 5's absolute target of
 25 µs instead, and the small training step (cross 32×32 Lq32 Ld80) must also stay under issue 5's 0.2 ms.
-Host-bound rows (tiny shapes) move between runs and machines; the table says what this one run measured.
+Host-bound rows (tiny shapes) move between runs and machines; the table says what this one run measured, and the
+line under it the host's state (``host_us``: a bare ``autograd.grad`` and an eager op, µs a call) at the run's start
+and end and just before the rows with absolute targets.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def targets(doc: dict) -> list[dict]:
             "floor_frac": floor / ours["ms"] if floor else None, "R": R, "E": E, "bound_ms": bound,
             "mib": mib if mode == "train" else None, "best_mib": best_mib if mode == "train" else None,
             "met": ours["ms"] <= bound and mem_ok, "time_met": ours["ms"] <= bound, "mem_met": mem_ok,
+            "absolute": R is None or (mode, name) == SMALL_STEP, "host_us": ours.get("host_us"),
         })  # fmt: skip
     return out
 
@@ -90,10 +93,13 @@ def table(doc: dict, markdown: bool = False) -> str:
     met = sum(t["met"] for t in rows)
     out.append(f"\n{met} of {len(rows)} maxsim rows meet their target ({doc['meta'].get('device_name')}, "
                f"commit {doc['meta'].get('git_commit')})")  # fmt: skip
-    if doc["meta"].get("host_us"):
+    probes = {f"before {t['mode']}/{t['workload']}": t["host_us"] for t in rows if t["absolute"] and t["host_us"]}
+    if doc["meta"].get("host_us") or probes:
         from maxsim.bench.runner import host_note
 
-        out.append(f"host: {host_note(doc['meta']['host_us'])}")
+        run = doc["meta"].get("host_us") or {}
+        ordered = {**({"start": run["start"]} if "start" in run else {}), **probes, **run}
+        out.append(f"host: {host_note(ordered)}")
     return "\n".join(out)
 
 

@@ -20,7 +20,8 @@ Ragged workloads (``layout`` ``varlen`` or ``pairlist``) were added compatibly: 
 padded_sims, padding}``, ``padding`` = ``padded_sims / sims``; null for dense rows) are :data:`OPTIONAL_ROW_FIELDS`,
 absent from files written before them. A ragged ``shape`` names ranges as ``Lq_min``/``Lq_max``
 (``Ld_min``/``Ld_max``) and a pair list adds ``pool`` and ``P``. The meta's ``host_us`` (the host's state at the
-run's start and end, :func:`~maxsim.bench.runner.host_probe`) is absent from files written before it.
+run's start and end, :func:`~maxsim.bench.runner.host_probe`) and a row's (just before its workload's timing) are
+absent from files written before them.
 """
 
 from __future__ import annotations
@@ -66,10 +67,12 @@ ROW_FIELDS: dict[str, tuple[type, ...]] = {
     "cuda": (str, type(None)),
     "git_commit": (str, type(None)),
 }
-#: Fields added later (ragged workloads): always written, but absent from older files.
+#: Fields added later (ragged workloads; the host's state before a workload's timing): always written, but absent
+#: from older files.
 OPTIONAL_ROW_FIELDS: dict[str, tuple[type, ...]] = {
     "vs_padded": (float, int, type(None)),
     "ragged": (dict, type(None)),
+    "host_us": (dict, type(None)),
 }
 META_FIELDS = (
     "card", "device", "device_name", "dtype", "torch", "triton", "cuda", "git_commit", "date",

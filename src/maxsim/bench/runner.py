@@ -82,6 +82,7 @@ class Row:
     vs_best_peer: float | None = None
     vs_padded: float | None = None
     ragged: dict[str, Any] | None = None
+    host_us: dict[str, float] | None = None  # (:func:`host_probe` just before the workload's timing)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -294,9 +295,10 @@ def make_host_timer(device: torch.device, warmup_ms: float, rep_ms: float) -> Ca
 def host_probe(device: torch.device, warmup_ms: float, rep_ms: float) -> dict[str, float]:
     """Host time per call, µs (:func:`_host_ms`), of two calls that no implementation under test takes part in: a
     bare ``autograd.grad`` of ``(x * 2).sum()`` (the autograd engine's own cost, which every training row pays) and
-    one eager op into a preallocated output (a dispatch and a launch). A run records them before its first workload
-    and after its last: the lent GPU hosts move by 2x within minutes, and host-bound rows (tiny calls, small training
-    steps, every peer's included) move with them, so a result carries the state its host was in. Syncs: between
+    one eager op into a preallocated output (a dispatch and a launch). A run records them before its first workload,
+    before each workload's timing (``Row.host_us``) and after its last: the lent GPU hosts move by 2x within minutes,
+    and host-bound rows (tiny calls, small training steps, every peer's included) move with them, so a result carries
+    the state its host was in. Syncs: between
     batches of calls, outside the timed span (as the host timer does)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     x = torch.randn(1024, device=device, requires_grad=True)
@@ -764,6 +766,10 @@ def run(
                 result.rows.append(row)
                 bar.step(f"{w.key} {impl.name}")
                 _free(device)
+            if timed:  # (the host's state as this workload's timing starts: host-bound rows move with it)
+                probe = host_probe(device, warmup_ms / rounds, rep_ms / rounds)
+                for row, _ in timed:
+                    row.host_us = probe
             _time_interleaved(timed, ctx, host=w.timing == "host")
             del timed
             for impl in impls:
@@ -779,9 +785,9 @@ def run(
 
 
 def host_note(host_us: dict) -> str:
-    """``meta["host_us"]`` (:func:`host_probe` at a run's start and end) as one line."""
+    """``{when: host_probe(...)}`` (a run's ``meta["host_us"]``: its start and end) as one line."""
     parts = [
-        f"a bare autograd.grad {p['autograd_grad_us']:.1f} µs, an eager op {p['eager_op_us']:.1f} µs at the {when}"
+        f"{when}: a bare autograd.grad {p['autograd_grad_us']:.1f} µs, an eager op {p['eager_op_us']:.1f} µs"
         for when, p in host_us.items()
         if p
     ]
