@@ -298,8 +298,7 @@ def host_probe(device: torch.device, warmup_ms: float, rep_ms: float) -> dict[st
     one eager op into a preallocated output (a dispatch and a launch). A run records them before its first workload,
     before each workload's timing (``Row.host_us``) and after its last: the lent GPU hosts move by 2x within minutes,
     and host-bound rows (tiny calls, small training steps, every peer's included) move with them, so a result carries
-    the state its host was in. Syncs: between
-    batches of calls, outside the timed span (as the host timer does)."""
+    the state its host was in. Syncs: between batches of calls, outside the timed span (as the host timer does)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     x = torch.randn(1024, device=device, requires_grad=True)
     xd, out = x.detach(), torch.empty(1024, device=device)
