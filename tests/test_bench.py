@@ -15,7 +15,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -1133,22 +1137,41 @@ def test_cli_ragged_quick_through_real_functions(tmp_path, capsys):
             assert r["status"] == "skipped"
 
 
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads /proc/stat")
+def test_the_host_probe_sees_another_process_keep_a_cpu_busy():
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # (past the interpreter's start)
+        probe = runner.host_probe(torch.device("cpu"), warmup_ms=20, rep_ms=300)
+    finally:
+        spin.kill()
+        spin.wait()
+    assert 0.6 <= probe["others_busy_cpus"] <= (os.cpu_count() or 1) + 1, probe
+    assert probe["steal_cpus"] >= 0
+
+
 def test_run_records_the_hosts_state_at_its_start_and_end(small_result, tmp_path):
     host = small_result.meta["host_us"]
     assert list(host) == ["start", "end"]
+    linux = Path("/proc/stat").exists()
+    keys = {"autograd_grad_us", "eager_op_us"} | ({"others_busy_cpus", "steal_cpus"} if linux else set())
     for probe in host.values():
-        assert set(probe) == {"autograd_grad_us", "eager_op_us"}
-        assert all(math.isfinite(v) and 0 < v < 1e5 for v in probe.values())
+        assert set(probe) == keys
+        assert all(math.isfinite(v) and 0 < v < 1e5 for k, v in probe.items() if k.endswith("_us"))
+        # CPUs kept busy by others: between none and every CPU there is (a little slack for the counters' ticks)
+        assert all(0 <= v <= (os.cpu_count() or 1) + 1 for k, v in probe.items() if k.endswith("_cpus"))
     note = runner.host_note(host)
     assert note.count("autograd.grad") == 2 and note.startswith("start: a bare autograd.grad ")
-    assert f"; end: a bare autograd.grad {host['end']['autograd_grad_us']:.1f} µs" in note
-    assert note.endswith(f"an eager op {host['end']['eager_op_us']:.1f} µs")
+    end = host["end"]
+    assert f"; end: a bare autograd.grad {end['autograd_grad_us']:.1f} µs, an eager op {end['eager_op_us']:.1f} µs" in note
+    if linux:
+        assert note.endswith(f" µs (other processes busy {end['others_busy_cpus']:.1f} CPUs, steal {end['steal_cpus']:.1f})")
     # each workload's rows carry the host's state just before their timing: one probe a workload, taken after
     # the run's start and before its end
     by_workload: dict = {}
     for r in small_result.rows:
         if r.status in ("ok", "FAIL"):
-            assert r.host_us is not None and set(r.host_us) == {"autograd_grad_us", "eager_op_us"}
+            assert r.host_us is not None and set(r.host_us) == keys
             by_workload.setdefault((r.mode, r.workload), []).append(r.host_us)
     assert len(by_workload) == 3 and all(len({tuple(p.values()) for p in ps}) == 1 for ps in by_workload.values())
     assert len({tuple(ps[0].values()) for ps in by_workload.values()}) == 3

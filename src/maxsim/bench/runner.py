@@ -298,13 +298,38 @@ def host_probe(device: torch.device, warmup_ms: float, rep_ms: float) -> dict[st
     one eager op into a preallocated output (a dispatch and a launch). A run records them before its first workload,
     before each workload's timing (``Row.host_us``) and after its last: the lent GPU hosts move by 2x within minutes,
     and host-bound rows (tiny calls, small training steps, every peer's included) move with them, so a result carries
-    the state its host was in. Syncs: between batches of calls, outside the timed span (as the host timer does)."""
+    the state its host was in. Where ``/proc/stat`` exists the probe also says how many CPUs other processes kept
+    busy meanwhile (``others_busy_cpus``: a compile worker, a neighbour) and how many a hypervisor took
+    (``steal_cpus``), averaged over the probe's span. Syncs: between batches of calls, outside the timed span (as the
+    host timer does)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     x = torch.randn(1024, device=device, requires_grad=True)
     xd, out = x.detach(), torch.empty(1024, device=device)
+    before = _cpu_counters()
     grad_ms = _host_ms(lambda: torch.autograd.grad((x * 2).sum(), (x,)), warmup_ms, rep_ms, sync)
     op_ms = _host_ms(lambda: torch.neg(xd, out=out), warmup_ms, rep_ms, sync)
-    return {"autograd_grad_us": grad_ms * 1e3, "eager_op_us": op_ms * 1e3}
+    probe = {"autograd_grad_us": grad_ms * 1e3, "eager_op_us": op_ms * 1e3}
+    after = _cpu_counters()
+    if before is not None and after is not None:
+        wall = after[3] - before[3]
+        probe["others_busy_cpus"] = max(0.0, (after[0] - before[0]) - (after[2] - before[2])) / wall
+        probe["steal_cpus"] = (after[1] - before[1]) / wall
+    return probe
+
+
+def _cpu_counters() -> tuple[float, float, float, float] | None:
+    """(every CPU's busy seconds, their stolen seconds, this process's CPU seconds, wall seconds) from
+    ``/proc/stat``; None where there is none (not Linux). Busy counts user, nice, system, irq and softirq time; steal
+    (a hypervisor running another guest on this one's CPU) is kept apart: both tell a slow host from slow code."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:9]]
+        hz = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = ticks + [0] * (8 - len(ticks))
+    busy = (user + nice + system + irq + softirq) / hz
+    return busy, steal / hz, time.process_time(), time.perf_counter()
 
 
 def make_timer(device: torch.device, warmup_ms: float, rep_ms: float) -> Callable[[Callable[[], Any]], float]:
@@ -785,12 +810,14 @@ def run(
 
 def host_note(host_us: dict) -> str:
     """``{when: host_probe(...)}`` (a run's ``meta["host_us"]``: its start and end) as one line."""
-    parts = [
-        f"{when}: a bare autograd.grad {p['autograd_grad_us']:.1f} µs, an eager op {p['eager_op_us']:.1f} µs"
-        for when, p in host_us.items()
-        if p
-    ]
-    return "; ".join(parts)
+    return "; ".join(f"{when}: {_probe_note(p)}" for when, p in host_us.items() if p)
+
+
+def _probe_note(p: dict) -> str:
+    note = f"a bare autograd.grad {p['autograd_grad_us']:.1f} µs, an eager op {p['eager_op_us']:.1f} µs"
+    if "others_busy_cpus" in p:
+        note += f" (other processes busy {p['others_busy_cpus']:.1f} CPUs, steal {p['steal_cpus']:.1f})"
+    return note
 
 
 def best_peer(group: list[Row]) -> Row | None:
