@@ -1163,9 +1163,11 @@ def test_run_records_the_hosts_state_at_its_start_and_end(small_result, tmp_path
     note = runner.host_note(host)
     assert note.count("autograd.grad") == 2 and note.startswith("start: a bare autograd.grad ")
     end = host["end"]
-    assert f"; end: a bare autograd.grad {end['autograd_grad_us']:.1f} µs, an eager op {end['eager_op_us']:.1f} µs" in note
+    grad, op = end["autograd_grad_us"], end["eager_op_us"]
+    assert f"; end: a bare autograd.grad {grad:.1f} µs, an eager op {op:.1f} µs" in note
     if linux:
-        assert note.endswith(f" µs (other processes busy {end['others_busy_cpus']:.1f} CPUs, steal {end['steal_cpus']:.1f})")
+        busy, steal = end["others_busy_cpus"], end["steal_cpus"]
+        assert note.endswith(f" µs (other processes busy {busy:.1f} CPUs, steal {steal:.1f})")
     # each workload's rows carry the host's state just before their timing: one probe a workload, taken after
     # the run's start and before its end
     by_workload: dict = {}
