@@ -515,6 +515,7 @@ def test_run_times_host_workloads_on_the_host_without_a_floor(monkeypatch):
 
     monkeypatch.setattr(runner, "make_host_timer", host_timer)
     monkeypatch.setattr(runner, "make_timer", dev_timer)
+    monkeypatch.setattr(runner, "host_probe", lambda *a: {"autograd_grad_us": 1.0, "eager_op_us": 1.0})  # (own timers)
     host = Workload("infer", "cross", 4, 4, 8, 8, dim=16, timing="host")
     res = _run([host, _tiny("infer", "cross")], [_stand_in()], rounds=2)
     assert used == ["host", "host", "device", "device"]
@@ -1154,7 +1155,8 @@ def test_run_records_the_hosts_state_at_its_start_and_end(small_result, tmp_path
     host = small_result.meta["host_us"]
     assert list(host) == ["start", "end"]
     linux = Path("/proc/stat").exists()
-    keys = {"autograd_grad_us", "eager_op_us"} | ({"others_busy_cpus", "steal_cpus"} if linux else set())
+    keys = {"autograd_grad_us", "eager_op_us", "autograd_grad_timed_us", "eager_op_timed_us"}
+    keys |= {"others_busy_cpus", "steal_cpus"} if linux else set()
     for probe in host.values():
         assert set(probe) == keys
         assert all(math.isfinite(v) and 0 < v < 1e5 for k, v in probe.items() if k.endswith("_us"))
@@ -1164,10 +1166,11 @@ def test_run_records_the_hosts_state_at_its_start_and_end(small_result, tmp_path
     assert note.count("autograd.grad") == 2 and note.startswith("start: a bare autograd.grad ")
     end = host["end"]
     grad, op = end["autograd_grad_us"], end["eager_op_us"]
-    assert f"; end: a bare autograd.grad {grad:.1f} µs, an eager op {op:.1f} µs" in note
+    timed = f"(as rows are timed: {end['autograd_grad_timed_us']:.1f} and {end['eager_op_timed_us']:.1f} µs)"
+    assert f"; end: a bare autograd.grad {grad:.1f} µs, an eager op {op:.1f} µs {timed}" in note
     if linux:
         busy, steal = end["others_busy_cpus"], end["steal_cpus"]
-        assert note.endswith(f" µs (other processes busy {busy:.1f} CPUs, steal {steal:.1f})")
+        assert note.endswith(f"{timed} (other processes busy {busy:.1f} CPUs, steal {steal:.1f})")
     # each workload's rows carry the host's state just before their timing: one probe a workload, taken after
     # the run's start and before its end
     by_workload: dict = {}

@@ -298,17 +298,32 @@ def host_probe(device: torch.device, warmup_ms: float, rep_ms: float) -> dict[st
     one eager op into a preallocated output (a dispatch and a launch). A run records them before its first workload,
     before each workload's timing (``Row.host_us``) and after its last: the lent GPU hosts move by 2x within minutes,
     and host-bound rows (tiny calls, small training steps, every peer's included) move with them, so a result carries
-    the state its host was in. Where ``/proc/stat`` exists the probe also says how many CPUs other processes kept
-    busy meanwhile (``others_busy_cpus``: a compile worker, a neighbour) and how many a hypervisor took
+    the state its host was in. The same two calls are also timed as the rows are (``make_timer``: on a GPU, the
+    device's time from the end of an L2 flush to the end of the call), ``*_timed_us``: a step that back-to-back host
+    timing finds fast can still measure slow there (run 83: a small step 0.10-0.46 ms on one host within minutes while
+    the host-timed ``autograd.grad`` stayed at 95-127 µs), and the eager op's kernel, too short to be host-bound
+    there, moves with the device's clocks. Where ``/proc/stat`` exists the probe also says how many CPUs other
+    processes kept busy meanwhile (``others_busy_cpus``: a compile worker, a neighbour) and how many a hypervisor took
     (``steal_cpus``), averaged over the probe's span. Syncs: between batches of calls, outside the timed span (as the
-    host timer does)."""
+    host timer does), and the row timer's own."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    timer = make_timer(device, warmup_ms, rep_ms)
     x = torch.randn(1024, device=device, requires_grad=True)
     xd, out = x.detach(), torch.empty(1024, device=device)
+
+    def grad() -> tuple[Tensor, ...]:
+        return torch.autograd.grad((x * 2).sum(), (x,))
+
+    def op() -> Tensor:
+        return torch.neg(xd, out=out)
+
     before = _cpu_counters()
-    grad_ms = _host_ms(lambda: torch.autograd.grad((x * 2).sum(), (x,)), warmup_ms, rep_ms, sync)
-    op_ms = _host_ms(lambda: torch.neg(xd, out=out), warmup_ms, rep_ms, sync)
-    probe = {"autograd_grad_us": grad_ms * 1e3, "eager_op_us": op_ms * 1e3}
+    probe = {
+        "autograd_grad_us": _host_ms(grad, warmup_ms, rep_ms, sync) * 1e3,
+        "eager_op_us": _host_ms(op, warmup_ms, rep_ms, sync) * 1e3,
+        "autograd_grad_timed_us": timer(grad) * 1e3,
+        "eager_op_timed_us": timer(op) * 1e3,
+    }
     after = _cpu_counters()
     if before is not None and after is not None:
         wall = after[3] - before[3]
@@ -815,6 +830,8 @@ def host_note(host_us: dict) -> str:
 
 def _probe_note(p: dict) -> str:
     note = f"a bare autograd.grad {p['autograd_grad_us']:.1f} µs, an eager op {p['eager_op_us']:.1f} µs"
+    if "autograd_grad_timed_us" in p:
+        note += f" (as rows are timed: {p['autograd_grad_timed_us']:.1f} and {p['eager_op_timed_us']:.1f} µs)"
     if "others_busy_cpus" in p:
         note += f" (other processes busy {p['others_busy_cpus']:.1f} CPUs, steal {p['steal_cpus']:.1f})"
     return note
