@@ -17,7 +17,9 @@ def test_the_sampler_names_a_busy_process_once_a_sample(tmp_path):
     spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 20: pass"])
     try:
         out = tmp_path / "samples"
-        subprocess.run([sys.executable, str(TOOL), str(out), "--seconds", "1.2", "--interval", "0.4"], check=True)
+        # (--gpu: GPU 0's clocks where NVML is, said once and left out where it is not)
+        cmd = [sys.executable, str(TOOL), str(out), "--seconds", "1.2", "--interval", "0.4", "--gpu"]
+        subprocess.run(cmd, check=True)
     finally:
         spin.kill()
         spin.wait()
@@ -28,5 +30,8 @@ def test_the_sampler_names_a_busy_process_once_a_sample(tmp_path):
         t, sys_, busy_, busy, steal_, steal = head.split()
         assert (sys_, busy_, steal_) == ("sys", "busy", "steal") and float(t) > 0 and float(steal) >= 0
         assert float(busy) >= 0.5
+        if procs and procs[0].startswith("gpu sm "):
+            _, _, mhz, unit, _, util, pct = procs.pop(0).split()
+            assert int(mhz) >= 0 and unit == "MHz" and 0 <= int(util) <= 100 and pct == "%"
         mine = [p for p in procs if p.startswith(f"{spin.pid}:")]
         assert len(mine) == 1 and float(mine[0].split(":")[2]) >= 30, line  # (shares 2 CPUs with the suite)

@@ -1,11 +1,12 @@
 """Sample what the machine's CPUs do while something else runs (Linux, ``/proc``): every ``--interval`` seconds one
 line with the epoch time, the CPUs busy and stolen since the last sample (``/proc/stat``) and every process that used
-at least ``--min-pct`` % of a CPU meanwhile (``pid:comm:pct:cmdline``).
+at least ``--min-pct`` % of a CPU meanwhile (``pid:comm:pct:cmdline``); with ``--gpu``, first GPU 0's SM clock and
+utilization at that moment (NVML through ctypes; said once on stderr and left out where there is no NVML).
 
 Made for the lent GPU hosts, whose host-bound rows (the tiny call, the small training step) move 2-4x within minutes:
 run it beside a benchmark and line its samples up with the benchmark's timestamped progress lines, e.g.
 
-    setsid python tools/proc_sampler.py $OUT/samples < /dev/null > /dev/null 2>&1 &  SP=$!
+    setsid python tools/proc_sampler.py $OUT/samples --gpu < /dev/null > /dev/null 2>&1 &  SP=$!
     python -m maxsim bench --mode all --out $OUT/run 2> >(while IFS= read -r l; do
         printf '%s %s\\n' "$EPOCHREALTIME" "$l"; done > $OUT/progress)
     kill -- -$SP
@@ -17,7 +18,9 @@ small step's slow patches come with no other process busy and no steal (docs/per
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -54,13 +57,39 @@ def cmdline(pid: int, width: int = 90) -> str:
     return " ".join(text.replace("\0", " ").split())[:width]  # (one line a sample: no newlines from ``-c`` code)
 
 
+class GpuClock:
+    """GPU 0's SM clock (MHz) and utilization (% of the last sample period NVML keeps) through NVML's C API;
+    raises OSError where there is no NVML or no GPU."""
+
+    SM = 1  # (nvmlClockType_t NVML_CLOCK_SM)
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL("libnvidia-ml.so.1")
+        self.handle = ctypes.c_void_p()
+        if self.lib.nvmlInit_v2() != 0 or self.lib.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(self.handle)) != 0:
+            raise OSError("NVML found no GPU 0")
+
+    def sample(self) -> str:
+        mhz, util = ctypes.c_uint(), (ctypes.c_uint * 2)()  # (nvmlUtilization_t: gpu, memory)
+        self.lib.nvmlDeviceGetClockInfo(self.handle, self.SM, ctypes.byref(mhz))
+        self.lib.nvmlDeviceGetUtilizationRates(self.handle, ctypes.byref(util))
+        return f"gpu sm {mhz.value} MHz util {util[0]} % | "
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path, help="file the samples go to (one line each, flushed)")
     ap.add_argument("--interval", type=float, default=0.5)
     ap.add_argument("--min-pct", type=float, default=20.0)
     ap.add_argument("--seconds", type=float, default=None, help="stop after this long (default: until killed)")
+    ap.add_argument("--gpu", action="store_true", help="also GPU 0's SM clock and utilization (NVML)")
     a = ap.parse_args()
+    gpu = None
+    if a.gpu:
+        try:
+            gpu = GpuClock()
+        except OSError as e:
+            print(f"proc_sampler: no GPU clocks ({e})", file=sys.stderr)
     hz = os.sysconf("SC_CLK_TCK")
     prev, prev_cpu, prev_t = process_ticks(), cpu_seconds(), time.time()
     stop = None if a.seconds is None else prev_t + a.seconds
@@ -75,7 +104,8 @@ def main() -> None:
                 if pct >= a.min_pct:
                     busy.append(f"{pid}:{comm}:{pct:.0f}:{cmdline(pid)}")
             cpus = (cur_cpu[0] - prev_cpu[0]) / dt, (cur_cpu[1] - prev_cpu[1]) / dt
-            log.write(f"{now:.2f} sys busy {cpus[0]:.1f} steal {cpus[1]:.1f} | " + " | ".join(busy) + "\n")
+            clocks = gpu.sample() if gpu is not None else ""
+            log.write(f"{now:.2f} sys busy {cpus[0]:.1f} steal {cpus[1]:.1f} | {clocks}" + " | ".join(busy) + "\n")
             log.flush()
             prev, prev_cpu, prev_t = cur, cur_cpu, now
 
