@@ -300,7 +300,7 @@ def host_probe(device: torch.device, warmup_ms: float, rep_ms: float) -> dict[st
     and host-bound rows (tiny calls, small training steps, every peer's included) move with them, so a result carries
     the state its host was in. The same two calls are also timed as the rows are (``make_timer``: on a GPU, the
     device's time from the end of an L2 flush to the end of the call), ``*_timed_us``: a step that back-to-back host
-    timing finds fast can still measure slow there (run 83: a small step 0.10-0.46 ms on one host within minutes while
+    timing finds fast can still measure slow there (run 83: a small step 0.10-0.45 ms on one host within minutes while
     the host-timed ``autograd.grad`` stayed at 95-127 µs), and the eager op's kernel, too short to be host-bound
     there, moves with the device's clocks. Where ``/proc/stat`` exists the probe also says how many CPUs other
     processes kept busy meanwhile (``others_busy_cpus``: a compile worker, a neighbour) and how many a hypervisor took
