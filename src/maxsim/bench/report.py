@@ -3,7 +3,7 @@
 
 JSON schema (``"schema": "maxsim-bench/1"``)::
 
-    {"schema": ..., "meta": {card, device, device_name, dtype, torch, triton, cuda, python, git_commit,
+    {"schema": ..., "meta": {card, device, device_name, dtype, torch, triton, cuda, python, os, git_commit,
                              git_dirty, date, cpu_threads, copy_bandwidth_gbps, matmul_tflops,
                              matmul_dtype, impl_versions, tolerance, argv, quick, host_us},
      "rows": [{workload, mode, layout, note, shape, dtype, impl, card, status, reason, ms, peak_mib,

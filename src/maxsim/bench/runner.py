@@ -580,6 +580,7 @@ def provenance(device: torch.device, dtype: torch.dtype, roof: Roofline, impls: 
         "triton": triton_version,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
+        "os": platform.platform(),  # (the kernel's release tells the lent hosts' runtimes apart: gVisor, Firecracker)
         "git_commit": commit,
         "git_dirty": dirty,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
