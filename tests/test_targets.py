@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
-from targets import table, targets  # noqa: E402
+from targets import history, table, targets  # noqa: E402
 
 
 def _row(mode, name, impl, ms, mib=None, status="ok", floor=None):
@@ -75,3 +75,26 @@ def test_the_hosts_state_follows_the_table_where_the_run_recorded_it():
                     "before infer/cross-4x4-lq8-ld8-host: a bare autograd.grad 120.0 µs, an eager op 6.0 µs; "
                     "before train/cross-32x32-lq32-ld80: a bare autograd.grad 200.0 µs, an eager op 7.0 µs; "
                     "end: a bare autograd.grad 146.0 µs, an eager op 8.2 µs")  # fmt: skip
+
+
+def test_history_counts_each_rows_runs_met_and_names_the_commits_that_missed():
+    def run(commit, scan_ms, step_ms):
+        step = "cross-32x32-lq32-ld80"
+        doc = _doc([
+            _row("infer", "scan", "maxsim", scan_ms), _row("infer", "scan", "lik", 1.15),
+            _row("train", step, "maxsim", step_ms), _row("train", step, "lik", 0.9),
+        ])  # fmt: skip
+        doc["meta"]["git_commit"] = commit
+        return doc
+
+    docs = [run("aaaaaaa111", 1.0, 0.15), run("bbbbbbb222", 1.0, 0.3), run("ccccccc333", 0.9, 0.25)]
+    lines = history(docs).splitlines()
+    scan = next(x for x in lines if x.startswith("infer") and " scan " in x)
+    step = next(x for x in lines if "cross-32x32" in x)
+    assert "3 of 3" in scan and "0.9 / 1 / 1" in scan and scan.rstrip().endswith("-")
+    # the small step misses its absolute 0.2 ms in the two slower runs (a peer 3x slower does not save it)
+    assert "1 of 3" in step and "0.15 / 0.25 / 0.3" in step and step.rstrip().endswith("bbbbbbb ccccccc")
+    assert lines[-1] == "1 of 2 rows met in all 3 runs"
+    md = history(docs, markdown=True).splitlines()
+    assert md[0] == "| mode | workload | met | maxsim ms (min / median / max) | missed in |"
+    assert "| train | cross-32x32-lq32-ld80 | 1 of 3 | 0.15 / 0.25 / 0.3 | bbbbbbb ccccccc |" in md

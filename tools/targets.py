@@ -1,6 +1,7 @@
 """Issue 5's performance targets, checked against a saved `maxsim bench` JSON (no GPU needed).
 
 Usage: python tools/targets.py benchmarks/results/h100.json [--markdown]
+       python tools/targets.py RUN.json RUN.json ... [--markdown]    (several runs: each row's record across them)
 
 For every maxsim row: the best peer (fastest other implementation that passed, eager and compile included), the
 ratio, the fraction of the roofline floor, and whether ``time <= max(best_peer / R, floor / E)`` holds, with
@@ -10,7 +11,10 @@ Host-timed rows (names ending in ``-host``: the calling thread's time per call) 
 25 µs instead, and the small training step (cross 32×32 Lq32 Ld80) must also stay under issue 5's 0.2 ms.
 Host-bound rows (tiny shapes) move between runs and machines; the table says what this one run measured, and the
 line under it the host's state (``host_us``: a bare ``autograd.grad`` and an eager op, µs a call) at the run's start
-and end and just before the rows with absolute targets.
+and end and just before the rows with absolute targets. Given several runs (of one card), it prints each row's
+record across them instead (:func:`history`): in how many it met its target, our fastest, median and slowest time,
+and the commits of the runs that missed it, which tells a row that misses now and then on a slow host from one that
+never meets.
 """
 
 from __future__ import annotations
@@ -82,14 +86,7 @@ def table(doc: dict, markdown: bool = False) -> str:
         lines.append([t["mode"], t["workload"], f"{t['ms']:.4g}", peer, ratio, frac,
                       f"{t['bound_ms']:.4g} " + _rule(t), mib,
                       ("yes" if t["met"] else "no") + why])  # fmt: skip
-    out = []
-    if markdown:
-        out.append("| " + " | ".join(head) + " |")
-        out.append("|" + "---|" * len(head))
-        out.extend("| " + " | ".join(line) + " |" for line in lines)
-    else:
-        widths = [max(len(x) for x in col) for col in zip(head, *lines, strict=True)]
-        out.extend("  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)) for line in [head, *lines])
+    out = _lines(head, lines, markdown)
     met = sum(t["met"] for t in rows)
     out.append(f"\n{met} of {len(rows)} maxsim rows meet their target ({doc['meta'].get('device_name')}, "
                f"commit {doc['meta'].get('git_commit')})")  # fmt: skip
@@ -103,12 +100,39 @@ def table(doc: dict, markdown: bool = False) -> str:
     return "\n".join(out)
 
 
+def history(docs: list[dict], markdown: bool = False) -> str:
+    """Each row's record over several saved runs, in the order rows first appear: runs met / runs with the row, our
+    time's minimum, median and maximum (ms), and the commits of the runs that missed (a commit twice: two runs)."""
+    rows: dict[tuple, list[tuple[dict, str]]] = {}
+    for doc in docs:
+        commit = str(doc["meta"].get("git_commit") or "?")[:7]
+        for t in targets(doc):
+            rows.setdefault((t["mode"], t["workload"]), []).append((t, commit))
+    head = ["mode", "workload", "met", "maxsim ms (min / median / max)", "missed in"]
+    lines = []
+    for (mode, name), got in rows.items():
+        ms = sorted(t["ms"] for t, _ in got)
+        met = sum(t["met"] for t, _ in got)
+        spread = f"{ms[0]:.4g} / {ms[len(ms) // 2]:.4g} / {ms[-1]:.4g}"
+        lines.append([mode, name, f"{met} of {len(got)}", spread, " ".join(c for t, c in got if not t["met"]) or "-"])
+    every = sum(all(t["met"] for t in ts) for ts in [[t for t, _ in got] for got in rows.values()])
+    return "\n".join([*_lines(head, lines, markdown), f"\n{every} of {len(rows)} rows met in all {len(docs)} runs"])
+
+
+def _lines(head: list[str], lines: list[list[str]], markdown: bool) -> list[str]:
+    if markdown:
+        return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(x) + " |" for x in lines)]
+    widths = [max(len(x) for x in col) for col in zip(head, *lines, strict=True)]
+    return ["  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)) for line in [head, *lines]]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("json")
+    ap.add_argument("json", nargs="+", help="one run: its target table; several: each row's record across them")
     ap.add_argument("--markdown", action="store_true")
     a = ap.parse_args()
-    print(table(json.loads(Path(a.json).read_text()), a.markdown))
+    docs = [json.loads(Path(f).read_text()) for f in a.json]
+    print(table(docs[0], a.markdown) if len(docs) == 1 else history(docs, a.markdown))
 
 
 if __name__ == "__main__":
