@@ -50,6 +50,12 @@ def _parser() -> argparse.ArgumentParser:
         "the JSON's folder), e.g. where matplotlib is installed; several JSONs of one card are merged into one "
         "report (and <card>.json), later runs replacing the same workloads of earlier ones",
     )
+    b.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="on a GPU, time with the threads wherever the scheduler puts them (default: the calling thread and the "
+        "autograd engine's threads on one CPU while rows are timed; see maxsim.bench.affinity)",
+    )
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -111,6 +117,7 @@ def _bench(args: argparse.Namespace) -> int:
         skip=skip,
         quick=args.quick,
         progress=not args.no_progress,
+        pin=not args.no_pin,
     )
     print()
     print(report.terminal_table(result))

@@ -5,7 +5,7 @@ JSON schema (``"schema": "maxsim-bench/1"``)::
 
     {"schema": ..., "meta": {card, device, device_name, dtype, torch, triton, cuda, python, os, git_commit,
                              git_dirty, date, cpu_threads, copy_bandwidth_gbps, matmul_tflops,
-                             matmul_dtype, impl_versions, tolerance, argv, quick, host_us},
+                             matmul_dtype, impl_versions, tolerance, argv, quick, host_us, pinned_cpu},
      "rows": [{workload, mode, layout, note, shape, dtype, impl, card, status, reason, ms, peak_mib,
                rel_err, grad_err, grad_identity_err, flops, bytes, floor_ms, floor_frac, vs_eager,
                vs_best_peer, vs_padded, ragged, torch, triton, cuda, git_commit}, ...]}
@@ -21,7 +21,8 @@ padded_sims, padding}``, ``padding`` = ``padded_sims / sims``; null for dense ro
 absent from files written before them. A ragged ``shape`` names ranges as ``Lq_min``/``Lq_max``
 (``Ld_min``/``Ld_max``) and a pair list adds ``pool`` and ``P``. The meta's ``host_us`` (the host's state at the
 run's start and end, :func:`~maxsim.bench.runner.host_probe`) and a row's (just before its workload's timing) are
-absent from files written before them.
+absent from files written before them, as is ``pinned_cpu`` (the CPU a GPU run's timing was pinned to,
+:mod:`~maxsim.bench.affinity`; null: not pinned).
 """
 
 from __future__ import annotations
@@ -328,11 +329,17 @@ def markdown(result: Result) -> str:
             f"copy {part.get('copy_bandwidth_gbps') or 0:.0f} GB/s, matmul {part.get('matmul_tflops') or 0:.0f} "
             "TFLOP/s (each workload's rows come from one run)."
             + (f" Host: {host_note(part['host_us'])}." if part.get("host_us") else "")
+            + (f" Timed on CPU {part['pinned_cpu']}." if part.get("pinned_cpu") is not None else "")
         )
     if m.get("copy_bandwidth_gbps"):
         out.append(
             f"Measured roofline: copy {m['copy_bandwidth_gbps']:.0f} GB/s, {m.get('matmul_dtype')} matmul "
             f"{m['matmul_tflops']:.0f} TFLOP/s."
+        )
+    if m.get("pinned_cpu") is not None and not m.get("parts"):
+        out.append(
+            f"Timed with the calling thread and the autograd engine's threads on one CPU ({m['pinned_cpu']}; "
+            "`--no-pin`: wherever the scheduler puts them)."
         )
     if m.get("host_us") and not m.get("parts"):
         out.append(
@@ -506,7 +513,7 @@ def merge(results: list[Result]) -> Result:
     for r in results:
         for row in r.rows:
             rows[(row.mode, row.workload, row.impl)] = row
-    keys = ("git_commit", "date", "argv", "copy_bandwidth_gbps", "matmul_tflops", "host_us")
+    keys = ("git_commit", "date", "argv", "copy_bandwidth_gbps", "matmul_tflops", "host_us", "pinned_cpu")
     parts = [part for r in results for part in (r.meta.get("parts") or [{k: r.meta.get(k) for k in keys}])]
     meta = dict(first)
     meta["git_commit"] = "+".join(dict.fromkeys(str(p.get("git_commit")) for p in parts))

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from ..layout import argmax_dtype
 from . import ragged
+from .affinity import OneCpu
 from .peers import OURS, Impl, free_memory
 from .ragged import Operands
 from .workloads import Inputs, Workload, make_inputs
@@ -719,6 +720,7 @@ def run(
     skip: dict[str, str] | None = None,
     quick: bool = False,
     progress: bool = True,
+    pin: bool = True,
     log: Callable[[str], None] = print,
 ) -> Result:
     """Benchmark every implementation on every workload; returns rows with ratios and floors filled in.
@@ -726,7 +728,9 @@ def run(
     ``quick`` is recorded in the provenance (the workloads are already shrunk). ``skip`` maps implementation
     names to a reason for leaving them out (printed, and recorded as ``skipped``). Each workload's implementations
     are timed in ``rounds`` interleaved rounds of ``warmup_ms / rounds`` and ``rep_ms / rounds`` each (see
-    :func:`_time_interleaved`); a row's time is the median of its rounds' medians.
+    :func:`_time_interleaved`); a row's time is the median of its rounds' medians. ``pin``: on a GPU, time (and
+    probe the host) with the calling thread and the autograd engine's threads on one CPU (:mod:`.affinity`);
+    ``meta["pinned_cpu"]`` says which (None: not pinned) and each host probe its CPU (``cpu``).
     """
     if not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds must be a positive int, got {rounds!r}")
@@ -758,7 +762,10 @@ def run(
     ctx = _Ctx(
         device=device, dtype=dtype, tol=TOLERANCE.get(dtype, 1e-4), timer=timer, host_timer=host_timer, rounds=rounds
     )
-    meta["host_us"] = {"start": host_probe(device, warmup_ms, rep_ms)}
+    meta["pinned_cpu"] = None
+    with OneCpu(device, pin) as one:
+        meta["host_us"] = {"start": _probe_on(one, device, warmup_ms, rep_ms)}
+        meta["pinned_cpu"] = one.cpu
     result = Result(meta=meta)
     plan = [(w, [i for i in impls if w.ragged or not i.ragged_only]) for w in workloads]
     bar = _Progress(sum(len(row_impls) for _, row_impls in plan), len(workloads), progress, log)
@@ -806,11 +813,12 @@ def run(
                 result.rows.append(row)
                 bar.step(f"{w.key} {impl.name}")
                 _free(device)
-            if timed:  # (the host's state as this workload's timing starts: host-bound rows move with it)
-                probe = host_probe(device, warmup_ms / rounds, rep_ms / rounds)
-                for row, _ in timed:
-                    row.host_us = probe
-            _time_interleaved(timed, ctx, host=w.timing == "host")
+            with OneCpu(device, pin) as one:
+                if timed:  # (the host's state as this workload's timing starts: host-bound rows move with it)
+                    probe = _probe_on(one, device, warmup_ms / rounds, rep_ms / rounds)
+                    for row, _ in timed:
+                        row.host_us = probe
+                _time_interleaved(timed, ctx, host=w.timing == "host")
             del timed
             for impl in impls:
                 impl.reset()
@@ -818,10 +826,19 @@ def run(
             _free(device, collect=True)
     finally:
         bar.close()
-    meta["host_us"]["end"] = host_probe(device, warmup_ms, rep_ms)
+    with OneCpu(device, pin) as one:
+        meta["host_us"]["end"] = _probe_on(one, device, warmup_ms, rep_ms)
     log(f"host: {host_note(meta['host_us'])}")
     compute_ratios(result.rows)
     return result
+
+
+def _probe_on(one: OneCpu, device: torch.device, warmup_ms: float, rep_ms: float) -> dict[str, float]:
+    """:func:`host_probe` under ``one``, with the CPU it pinned (``cpu``) where it pinned one."""
+    probe = host_probe(device, warmup_ms, rep_ms)
+    if one.cpu is not None:
+        probe["cpu"] = one.cpu
+    return probe
 
 
 def host_note(host_us: dict) -> str:
@@ -835,6 +852,8 @@ def _probe_note(p: dict) -> str:
         note += f" (as rows are timed: {p['autograd_grad_timed_us']:.1f} and {p['eager_op_timed_us']:.1f} µs)"
     if "others_busy_cpus" in p:
         note += f" (other processes busy {p['others_busy_cpus']:.1f} CPUs, steal {p['steal_cpus']:.1f})"
+    if "cpu" in p:
+        note += f" (pinned to CPU {p['cpu']})"
     return note
 
 

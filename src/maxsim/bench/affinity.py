@@ -1,0 +1,96 @@
+"""Timing on one CPU: the calling thread and the autograd engine's device threads pinned together.
+
+A training call on a GPU ends in ``torch.autograd.grad``, which hands the graph to the autograd engine's thread for
+that device (``pt_autograd_<n>``) and sleeps until the thread is done: two thread hand-offs a step, whatever the
+implementation. On the lent GPU hosts (KVM guests, 16 vCPUs) a hand-off to a thread that the scheduler placed on
+another vCPU wakes that vCPU, and the scheduler moves the two threads about between calls; the same small step then
+measures 0.10 to 0.45 ms within minutes (run 83). Run 84 (H200, one process, five rounds, medians): the small training
+step 85 and 93 µs with both threads on one vCPU, 181 free, 181 and 213 on two vCPUs; eager's 290 and 346 against 548
+free; a tiny call's host time 17 µs against 24 (``docs/performance.md``, run 84). So the bench times every row, and
+its host probes, with the threads pinned to one CPU (:class:`OneCpu`), every implementation alike, and says so in
+its results; ``maxsim bench --no-pin`` times them wherever the scheduler puts them.
+
+Only the timing is pinned: preparing, checking and compiling (``torch.compile``'s worker processes inherit the
+affinity of the thread that starts them) run on every CPU. Linux only (``os.sched_setaffinity`` and ``/proc``);
+elsewhere :class:`OneCpu` does nothing and says so (``cpu`` is None).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import torch
+
+#: Name prefix of the autograd engine's device threads (their ``comm`` under ``/proc``).
+ENGINE_THREAD_PREFIX = "pt_autograd_"
+
+
+def engine_threads(task_dir: Path = Path("/proc/self/task")) -> list[int]:
+    """Thread ids of this process's autograd device threads (empty where there are none, or no ``/proc``)."""
+    tids = []
+    try:
+        entries = list(task_dir.iterdir())
+    except OSError:
+        return []
+    for entry in entries:
+        try:
+            if (entry / "comm").read_text().startswith(ENGINE_THREAD_PREFIX):
+                tids.append(int(entry.name))
+        except (OSError, ValueError):
+            continue  # (a thread that ended meanwhile)
+    return sorted(tids)
+
+
+def current_cpu() -> int | None:
+    """The CPU the calling thread last ran on (``/proc/thread-self/stat``'s 39th field), None where unknown."""
+    try:
+        fields = Path("/proc/thread-self/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[36])  # (fields after the command's ")" start at the 3rd, the state)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _start_engine_threads(device: torch.device) -> None:
+    """The engine starts its device threads at the first backward on a device; the pin must find them."""
+    x = torch.ones(1, device=device, requires_grad=True)
+    torch.autograd.grad(x.sum(), (x,))
+
+
+class OneCpu:
+    """``with OneCpu(device):`` pins the calling thread and the autograd engine's device threads to one CPU, the
+    one the calling thread is on where that is allowed, else the lowest it may use, and restores each thread's own
+    affinity on exit. ``cpu`` is the CPU chosen, None when nothing was pinned (``enabled`` False, a CPU device,
+    whose PyTorch path runs on intra-op threads of its own, or no ``sched_setaffinity``). Syncs: on a GPU, one
+    backward of a one-element tensor the first time the engine's threads do not exist yet."""
+
+    def __init__(self, device: torch.device, enabled: bool = True) -> None:
+        self.device = device
+        self.enabled = enabled and device.type == "cuda" and hasattr(os, "sched_setaffinity")
+        self.cpu: int | None = None
+        self._saved: dict[int, set[int]] = {}
+
+    def __enter__(self) -> OneCpu:
+        if not self.enabled:
+            return self
+        threads = engine_threads()
+        if not threads:
+            _start_engine_threads(self.device)
+            threads = engine_threads()
+        allowed = os.sched_getaffinity(0)
+        here = current_cpu()
+        self.cpu = here if here in allowed else min(allowed)
+        for tid in (0, *threads):  # (0: the calling thread; sched_setaffinity takes a thread's id on Linux)
+            try:
+                self._saved[tid] = os.sched_getaffinity(tid)
+                os.sched_setaffinity(tid, {self.cpu})
+            except OSError:
+                self._saved.pop(tid, None)  # (a thread that ended, or a mask this process may not set)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for tid, mask in self._saved.items():
+            with contextlib.suppress(OSError):  # (a thread that ended meanwhile)
+                os.sched_setaffinity(tid, mask)
+        self._saved.clear()
