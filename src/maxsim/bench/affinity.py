@@ -43,15 +43,6 @@ def engine_threads(task_dir: Path = Path("/proc/self/task")) -> list[int]:
     return sorted(tids)
 
 
-def current_cpu() -> int | None:
-    """The CPU the calling thread last ran on (``/proc/thread-self/stat``'s 39th field), None where unknown."""
-    try:
-        fields = Path("/proc/thread-self/stat").read_text().rsplit(")", 1)[1].split()
-        return int(fields[36])  # (fields after the command's ")" start at the 3rd, the state)
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def _start_engine_threads(device: torch.device) -> None:
     """The engine starts its device threads at the first backward on a device; the pin must find them."""
     x = torch.ones(1, device=device, requires_grad=True)
@@ -60,9 +51,10 @@ def _start_engine_threads(device: torch.device) -> None:
 
 class OneCpu:
     """``with OneCpu(device):`` pins the calling thread and the autograd engine's device threads to one CPU, the
-    one the calling thread is on where that is allowed, else the lowest it may use, and restores each thread's own
-    affinity on exit. ``cpu`` is the CPU chosen, None when nothing was pinned (``enabled`` False, a CPU device,
-    whose PyTorch path runs on intra-op threads of its own, or no ``sched_setaffinity``). Syncs: on a GPU, one
+    highest-numbered one the calling thread may use (the same CPU run after run on one kind of host; the lowest, CPU 0,
+    is where a guest's device interrupts usually land), and restores each thread's own affinity on exit. ``cpu`` is
+    the CPU chosen, None when nothing was pinned (``enabled`` False, a CPU device, whose PyTorch path runs on
+    intra-op threads of its own, or no ``sched_setaffinity``). Syncs: on a GPU, one
     backward of a one-element tensor the first time the engine's threads do not exist yet."""
 
     def __init__(self, device: torch.device, enabled: bool = True) -> None:
@@ -78,9 +70,7 @@ class OneCpu:
         if not threads:
             _start_engine_threads(self.device)
             threads = engine_threads()
-        allowed = os.sched_getaffinity(0)
-        here = current_cpu()
-        self.cpu = here if here in allowed else min(allowed)
+        self.cpu = max(os.sched_getaffinity(0))
         for tid in (0, *threads):  # (0: the calling thread; sched_setaffinity takes a thread's id on Linux)
             try:
                 self._saved[tid] = os.sched_getaffinity(tid)
