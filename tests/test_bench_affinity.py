@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from maxsim.bench import report, runner
+from maxsim.bench import affinity, report, runner
 from maxsim.bench.affinity import OneCpu, engine_threads
 
 linux_affinity = pytest.mark.skipif(
@@ -65,15 +65,45 @@ def test_one_cpu_pins_the_caller_and_the_engines_threads_together_and_puts_them_
         other.close()
 
 
+_INTERRUPTS = """\
+           CPU0       CPU1       CPU2       CPU3
+  1:          9          0          0          0  IO-APIC   1-edge      i8042
+ 31:          0          0          0      10976  PCI-MSIX-0000:00:01.0   1-edge      virtio0-req.0
+ 40:          0          0          5          0  PCI-MSIX-0000:00:05.0   0-edge      nvidia
+NMI:          0          0          0          0   Non-maskable interrupts
+LOC:      37824      14495      12285      99082   Local timer interrupts
+CAL:      17294       7281       2863       1894   Function call interrupts
+ERR:          0
+"""
+
+
+def test_quiet_cpu_takes_the_allowed_cpu_with_the_fewest_device_interrupts(tmp_path):
+    path = tmp_path / "interrupts"
+    path.write_text(_INTERRUPTS)
+    # device lines only: CPU0 9, CPU1 0, CPU2 5, CPU3 10976 (the timer and function-call counts do not count)
+    assert affinity.quiet_cpu({0, 1, 2, 3}, path) == 1
+    assert affinity.quiet_cpu({0, 2, 3}, path) == 2
+    assert affinity.quiet_cpu({3}, path) == 3
+    path.write_text(_INTERRUPTS.replace("      0          5  ", "      0          0  "))
+    assert affinity.quiet_cpu({0, 1, 2, 3}, path) == 2  # (ties: the highest-numbered)
+    assert affinity.quiet_cpu({5, 7}, path) == 7  # (CPUs the file does not list: none served)
+    assert affinity.quiet_cpu({0, 1, 2, 3}, tmp_path / "absent") == 3
+    path.write_text("")
+    assert affinity.quiet_cpu({0, 1}, path) == 1
+
+
 @linux_affinity
-def test_one_cpu_takes_the_highest_cpu_the_caller_may_use():
+def test_one_cpu_takes_the_quiet_cpu_of_those_the_caller_may_use(monkeypatch):
     allowed = sorted(os.sched_getaffinity(0))
     engine = _NamedThread("pt_autograd_3")
+    picked = []
+    monkeypatch.setattr(affinity, "quiet_cpu", lambda cpus: picked.append(set(cpus)) or min(cpus))
     try:
-        for mask in (allowed, allowed[:2], allowed[:1]):
+        for mask in (allowed, allowed[-2:], allowed[-1:]):
             os.sched_setaffinity(0, set(mask))
             with OneCpu(torch.device("cuda")) as one:
-                assert one.cpu == mask[-1] and os.sched_getaffinity(0) == {mask[-1]}
+                assert picked[-1] == set(mask)
+                assert one.cpu == mask[0] and os.sched_getaffinity(0) == {mask[0]}
             assert os.sched_getaffinity(0) == set(mask)
     finally:
         os.sched_setaffinity(0, set(allowed))

@@ -43,6 +43,28 @@ def engine_threads(task_dir: Path = Path("/proc/self/task")) -> list[int]:
     return sorted(tids)
 
 
+def quiet_cpu(allowed: set[int], interrupts: Path = Path("/proc/interrupts")) -> int:
+    """The CPU of ``allowed`` that has served the fewest device interrupts since boot (the numbered lines of
+    ``/proc/interrupts``), the highest-numbered among equals, or simply the highest where the file is unreadable.
+    Run 84's second host (H200) sent every interrupt of its virtio queue to CPU 15, about 20 a second through a
+    matrix run, and the highest-numbered CPU was where the first rule of this module had pinned the timing."""
+    try:
+        lines = interrupts.read_text().splitlines()
+        cpus = [int(name.removeprefix("CPU")) for name in lines[0].split()]
+    except (OSError, IndexError, ValueError):
+        return max(allowed)
+    served = dict.fromkeys(cpus, 0)
+    for line in lines[1:]:
+        label, _, rest = line.partition(":")
+        if not label.strip().isdigit():
+            continue  # (the per-CPU kinds: timer, rescheduling, function calls, TLB shootdowns)
+        for cpu, count in zip(cpus, rest.split(), strict=False):
+            if not count.isdigit():
+                break  # (the line's counts end where its chip and name begin)
+            served[cpu] += int(count)
+    return min(allowed, key=lambda cpu: (served.get(cpu, 0), -cpu))
+
+
 def _start_engine_threads(device: torch.device) -> None:
     """The engine starts its device threads at the first backward on a device; the pin must find them."""
     x = torch.ones(1, device=device, requires_grad=True)
@@ -51,8 +73,8 @@ def _start_engine_threads(device: torch.device) -> None:
 
 class OneCpu:
     """``with OneCpu(device):`` pins the calling thread and the autograd engine's device threads to one CPU, the
-    highest-numbered one the calling thread may use (the same CPU run after run on one kind of host; the lowest, CPU 0,
-    is where a guest's device interrupts usually land), and restores each thread's own affinity on exit. ``cpu`` is
+    one the calling thread may use that has served the fewest device interrupts (:func:`quiet_cpu`), and restores
+    each thread's own affinity on exit. ``cpu`` is
     the CPU chosen, None when nothing was pinned (``enabled`` False, a CPU device, whose PyTorch path runs on
     intra-op threads of its own, or no ``sched_setaffinity``). Syncs: on a GPU, one
     backward of a one-element tensor the first time the engine's threads do not exist yet."""
@@ -70,7 +92,7 @@ class OneCpu:
         if not threads:
             _start_engine_threads(self.device)
             threads = engine_threads()
-        self.cpu = max(os.sched_getaffinity(0))
+        self.cpu = quiet_cpu(os.sched_getaffinity(0))
         for tid in (0, *threads):  # (0: the calling thread; sched_setaffinity takes a thread's id on Linux)
             try:
                 self._saved[tid] = os.sched_getaffinity(tid)
