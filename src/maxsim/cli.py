@@ -104,6 +104,15 @@ def _bench(args: argparse.Namespace) -> int:
     warmup = args.warmup_ms if args.warmup_ms is not None else (25.0 if gpu else 10.0 if args.quick else 20.0)
     rep = args.rep_ms if args.rep_ms is not None else (100.0 if gpu else 50.0 if args.quick else 200.0)
     print(f"maxsim bench: {len(workloads)} workloads x {len(names)} implementations, {device}, {dtype_name}")
+    save_partial = None
+    if args.out:
+        print(f"maxsim bench: {args.out} gets the JSON after every workload, the report at the end")
+
+        def save_partial(res) -> None:
+            done = len({(r.mode, r.workload) for r in res.rows})
+            meta = {**res.meta, "partial": f"{done} of {len(workloads)} workloads"}
+            report.save_json(type(res)(meta=meta, rows=res.rows), args.out)
+
     t0 = time.perf_counter()
     result = run(
         workloads,
@@ -118,6 +127,7 @@ def _bench(args: argparse.Namespace) -> int:
         quick=args.quick,
         progress=not args.no_progress,
         pin=not args.no_pin,
+        on_workload=save_partial,
     )
     print()
     print(report.terminal_table(result))

@@ -21,7 +21,8 @@ padded_sims, padding}``, ``padding`` = ``padded_sims / sims``; null for dense ro
 absent from files written before them. A ragged ``shape`` names ranges as ``Lq_min``/``Lq_max``
 (``Ld_min``/``Ld_max``) and a pair list adds ``pool`` and ``P``. The meta's ``host_us`` (the host's state at the
 run's start and end, :func:`~maxsim.bench.runner.host_probe`) and a row's (just before its workload's timing) are
-absent from files written before them, as is ``pinned_cpu`` (the CPU a GPU run's timing was pinned to,
+absent from files written before them, as is ``partial`` (``"k of n workloads"`` in the JSON a run saves after
+each workload, gone once it finishes) and ``pinned_cpu`` (the CPU a GPU run's timing was pinned to,
 :mod:`~maxsim.bench.affinity`; null: not pinned).
 """
 
@@ -322,6 +323,8 @@ def markdown(result: Result) -> str:
     ]
     if m.get("quick"):
         out.append("`--quick` run: tiny shapes under the full-size names (the shape column gives the real ones).")
+    if m.get("partial"):
+        out.append(f"Partial run: saved after {m['partial']}; the run did not finish.")
     for i, part in enumerate(m.get("parts") or []):
         args = " ".join(part.get("argv") or [])
         out.append(
@@ -474,6 +477,20 @@ def write_png(result: Result, path: Path) -> str | None:
     return None
 
 
+def save_json(result: Result, out_dir: Path | str) -> Path:
+    """Write ``<card>.json`` into ``out_dir`` (created if needed) through a temporary file and a rename, so that a
+    run killed while writing leaves the previous file whole; returns its path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = to_json(result)
+    validate_json(doc)
+    path = out / f"{result.meta.get('card') or 'unknown'}.json"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+    tmp.replace(path)
+    return path
+
+
 def write_outputs(result: Result, out_dir: Path | str, log=print, write_json: bool = True) -> list[Path]:
     """Write ``<card>.json``, ``<card>.md`` and ``<card>.png`` into ``out_dir`` (created if needed).
 
@@ -484,10 +501,7 @@ def write_outputs(result: Result, out_dir: Path | str, log=print, write_json: bo
     stem = str(result.meta.get("card") or "unknown")
     paths: list[Path] = []
     if write_json:
-        doc = to_json(result)
-        validate_json(doc)
-        paths.append(out / f"{stem}.json")
-        paths[-1].write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+        paths.append(save_json(result, out))
     paths.append(out / f"{stem}.md")
     paths[-1].write_text(markdown(result))
     png = out / f"{stem}.png"

@@ -721,6 +721,7 @@ def run(
     quick: bool = False,
     progress: bool = True,
     pin: bool = True,
+    on_workload: Callable[[Result], None] | None = None,
     log: Callable[[str], None] = print,
 ) -> Result:
     """Benchmark every implementation on every workload; returns rows with ratios and floors filled in.
@@ -730,7 +731,9 @@ def run(
     are timed in ``rounds`` interleaved rounds of ``warmup_ms / rounds`` and ``rep_ms / rounds`` each (see
     :func:`_time_interleaved`); a row's time is the median of its rounds' medians. ``pin``: on a GPU, time (and
     probe the host) with the calling thread and the autograd engine's threads on one CPU (:mod:`.affinity`);
-    ``meta["pinned_cpu"]`` says which (None: not pinned) and each host probe its CPU (``cpu``).
+    ``meta["pinned_cpu"]`` says which (None: not pinned) and each host probe its CPU (``cpu``). ``on_workload``
+    is called with the result so far (ratios filled in) after each workload, e.g. to save it: a run stopped midway
+    (a time limit) then leaves the workloads it finished.
     """
     if not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds must be a positive int, got {rounds!r}")
@@ -824,6 +827,9 @@ def run(
                 impl.reset()
             del inp, ref
             _free(device, collect=True)
+            if on_workload is not None:
+                compute_ratios(result.rows)
+                on_workload(result)
     finally:
         bar.close()
     with OneCpu(device, pin) as one:
