@@ -19,6 +19,7 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -1152,6 +1153,29 @@ def test_the_host_probe_sees_another_process_keep_a_cpu_busy():
     assert probe["steal_cpus"] >= 0
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc/self/task")
+def test_the_host_probe_sees_a_thread_of_its_own_process_keep_a_cpu_busy():
+    # (a thread that spins without the GIL: a sleep-free native loop is what a busy helper thread looks like)
+    stop = threading.Event()
+
+    def spin() -> None:
+        x = torch.ones(256, 256)
+        while not stop.is_set():
+            torch.mm(x, x)
+
+    idle = runner.host_probe(torch.device("cpu"), warmup_ms=20, rep_ms=200)
+    t = threading.Thread(target=spin, name="spinner", daemon=True)
+    t.start()
+    try:
+        time.sleep(0.1)
+        busy = runner.host_probe(torch.device("cpu"), warmup_ms=20, rep_ms=300)
+    finally:
+        stop.set()
+        t.join()
+    assert busy["stray_threads_cpus"] >= 0.3, busy
+    assert idle["stray_threads_cpus"] < busy["stray_threads_cpus"], (idle, busy)
+
+
 def test_run_records_the_hosts_state_at_its_start_and_end(small_result, tmp_path):
     # (the kernel's release names the lent host's runtime: its state is part of a host-bound row's result)
     assert small_result.meta["os"] == platform.platform() and platform.release() in small_result.meta["os"]
@@ -1159,7 +1183,7 @@ def test_run_records_the_hosts_state_at_its_start_and_end(small_result, tmp_path
     assert list(host) == ["start", "end"]
     linux = Path("/proc/stat").exists()
     keys = {"autograd_grad_us", "eager_op_us", "autograd_grad_timed_us", "eager_op_timed_us"}
-    keys |= {"others_busy_cpus", "steal_cpus"} if linux else set()
+    keys |= {"others_busy_cpus", "steal_cpus", "stray_threads_cpus"} if linux else set()
     for probe in host.values():
         assert set(probe) == keys
         assert all(math.isfinite(v) and 0 < v < 1e5 for k, v in probe.items() if k.endswith("_us"))
@@ -1173,7 +1197,11 @@ def test_run_records_the_hosts_state_at_its_start_and_end(small_result, tmp_path
     assert f"; end: a bare autograd.grad {grad:.1f} µs, an eager op {op:.1f} µs {timed}" in note
     if linux:
         busy, steal = end["others_busy_cpus"], end["steal_cpus"]
-        assert note.endswith(f"{timed} (other processes busy {busy:.1f} CPUs, steal {steal:.1f})")
+        stray = end["stray_threads_cpus"]
+        assert note.endswith(
+            f"{timed} (other processes busy {busy:.1f} CPUs, steal {steal:.1f})"
+            f" (this process's other threads busy {stray:.1f} CPUs)"
+        )
     # each workload's rows carry the host's state just before their timing: one probe a workload, taken after
     # the run's start and before its end
     by_workload: dict = {}

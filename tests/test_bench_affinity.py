@@ -186,3 +186,21 @@ def test_a_gpu_run_times_its_rows_with_the_engines_thread_on_the_callers_cpu(mon
         ws, [EagerImpl()], device=device, dtype=torch.float32, warmup_ms=1, rep_ms=2, progress=False, pin=False
     )
     assert free.meta["pinned_cpu"] is None and "cpu" not in free.rows[0].host_us
+
+
+def test_thread_cpu_seconds_reads_each_threads_name_and_ticks(tmp_path):
+    hz = os.sysconf("SC_CLK_TCK")
+    rest = "S 1 1 1 0 -1 4194560 10 0 0 0 {u} {s} 0 0 20 0 9 0 100 0 0"
+    for tid, comm, u, s in ((11, "python", 3 * hz, hz), (12, "pt_autograd_0", hz, 0), (13, "a (b) c", 0, hz // 2)):
+        (tmp_path / str(tid)).mkdir()
+        (tmp_path / str(tid) / "stat").write_text(f"{tid} ({comm}) " + rest.format(u=u, s=s))
+    (tmp_path / "14").mkdir()  # (a thread that ended between the listing and the read)
+    got = affinity.thread_cpu_seconds(tmp_path)
+    assert got == {11: ("python", 4.0), 12: ("pt_autograd_0", 1.0), 13: ("a (b) c", 0.5)}
+
+
+def test_stray_thread_seconds_leaves_out_the_caller_and_the_engines_threads():
+    me = threading.get_native_id()
+    before = {me: ("python", 1.0), 7: ("pt_autograd_0", 1.0), 8: ("pool", 2.0)}
+    after = {me: ("python", 9.0), 7: ("pt_autograd_0", 5.0), 8: ("pool", 2.5), 9: ("new", 0.25)}
+    assert affinity.stray_thread_seconds(before, after) == pytest.approx(0.75)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -41,6 +42,38 @@ def engine_threads(task_dir: Path = Path("/proc/self/task")) -> list[int]:
         except (OSError, ValueError):
             continue  # (a thread that ended meanwhile)
     return sorted(tids)
+
+
+def thread_cpu_seconds(task_dir: Path = Path("/proc/self/task")) -> dict[int, tuple[str, float]]:
+    """``tid -> (comm, user + system CPU seconds)`` of this process's threads (empty where there is no ``/proc``)."""
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out = {}
+    try:
+        entries = list(task_dir.iterdir())
+    except OSError:
+        return {}
+    for entry in entries:
+        try:
+            text = (entry / "stat").read_text()
+            end = text.rfind(")")  # (comm may hold spaces and parentheses)
+            fields = text[end + 2 :].split()
+            out[int(entry.name)] = (text[text.find("(") + 1 : end], (int(fields[11]) + int(fields[12])) / hz)
+        except (OSError, ValueError, IndexError):
+            continue  # (a thread that ended meanwhile)
+    return out
+
+
+def stray_thread_seconds(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> float:
+    """CPU seconds that this process's threads other than the calling one and the autograd engine's used between
+    two :func:`thread_cpu_seconds` readings (a thread started meanwhile counts from zero): a compile pool's reader,
+    a library's spinning helper, work the pinned timing competes with for the host although no other process does."""
+    caller = threading.get_native_id()
+    total = 0.0
+    for tid, (comm, secs) in after.items():
+        if tid == caller or comm.startswith(ENGINE_THREAD_PREFIX):
+            continue
+        total += max(0.0, secs - before.get(tid, (comm, 0.0))[1])
+    return total
 
 
 def quiet_cpu(allowed: set[int], interrupts: Path = Path("/proc/interrupts")) -> int:

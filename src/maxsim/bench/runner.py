@@ -37,7 +37,7 @@ from torch import Tensor
 
 from ..layout import argmax_dtype
 from . import ragged
-from .affinity import OneCpu
+from .affinity import OneCpu, stray_thread_seconds, thread_cpu_seconds
 from .peers import OURS, Impl, free_memory
 from .ragged import Operands
 from .workloads import Inputs, Workload, make_inputs
@@ -304,9 +304,10 @@ def host_probe(device: torch.device, warmup_ms: float, rep_ms: float) -> dict[st
     timing finds fast can still measure slow there (run 83: a small step 0.10-0.45 ms on one host within minutes while
     the host-timed ``autograd.grad`` stayed at 95-127 µs), and the eager op's kernel, too short to be host-bound
     there, moves with the device's clocks. Where ``/proc/stat`` exists the probe also says how many CPUs other
-    processes kept busy meanwhile (``others_busy_cpus``: a compile worker, a neighbour) and how many a hypervisor took
-    (``steal_cpus``), averaged over the probe's span. Syncs: between batches of calls, outside the timed span (as the
-    host timer does), and the row timer's own."""
+    processes kept busy meanwhile (``others_busy_cpus``: a compile worker, a neighbour), how many a hypervisor took
+    (``steal_cpus``) and how many this process's own threads kept busy beside the probe's and the autograd engine's
+    (``stray_threads_cpus``), averaged over the probe's span. Syncs: between batches of calls, outside the timed
+    span (as the host timer does), and the row timer's own."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     timer = make_timer(device, warmup_ms, rep_ms)
     x = torch.randn(1024, device=device, requires_grad=True)
@@ -318,18 +319,20 @@ def host_probe(device: torch.device, warmup_ms: float, rep_ms: float) -> dict[st
     def op() -> Tensor:
         return torch.neg(xd, out=out)
 
-    before = _cpu_counters()
+    before, threads_before = _cpu_counters(), thread_cpu_seconds()
     probe = {
         "autograd_grad_us": _host_ms(grad, warmup_ms, rep_ms, sync) * 1e3,
         "eager_op_us": _host_ms(op, warmup_ms, rep_ms, sync) * 1e3,
         "autograd_grad_timed_us": timer(grad) * 1e3,
         "eager_op_timed_us": timer(op) * 1e3,
     }
-    after = _cpu_counters()
+    after, threads_after = _cpu_counters(), thread_cpu_seconds()
     if before is not None and after is not None:
         wall = after[3] - before[3]
         probe["others_busy_cpus"] = max(0.0, (after[0] - before[0]) - (after[2] - before[2])) / wall
         probe["steal_cpus"] = (after[1] - before[1]) / wall
+        if threads_after:
+            probe["stray_threads_cpus"] = stray_thread_seconds(threads_before, threads_after) / wall
     return probe
 
 
@@ -858,6 +861,8 @@ def _probe_note(p: dict) -> str:
         note += f" (as rows are timed: {p['autograd_grad_timed_us']:.1f} and {p['eager_op_timed_us']:.1f} µs)"
     if "others_busy_cpus" in p:
         note += f" (other processes busy {p['others_busy_cpus']:.1f} CPUs, steal {p['steal_cpus']:.1f})"
+    if "stray_threads_cpus" in p:
+        note += f" (this process's other threads busy {p['stray_threads_cpus']:.1f} CPUs)"
     if "cpu" in p:
         note += f" (pinned to CPU {p['cpu']})"
     return note
