@@ -48,7 +48,8 @@ def _inputs(nq: int, lq: int, nd: int, ld: int, dim: int, own: bool, device: str
 
 
 TABLE_64 = (False, 64, 3, 4, False)  # (64-token tiles, 3 stages, 4 warps, one program a document)
-TABLE_128 = (False, 128, 2, 4, False)
+TABLE_128 = (False, 128, 3, 4, False)
+TABLE_128_MASKED = (False, 128, 2, 4, False)  # (configs.ONCE_READ_LONG_MASKED_STAGES)
 TABLE_ROWS64 = (False, 32, 4, 4, False)  # (one program a document where there are few)
 
 
@@ -73,6 +74,8 @@ TABLE_ROWS64 = (False, 32, 4, 4, False)  # (one program a document where there a
         ("one query, 64 dims", H200, 3.0, "stream"),  # (narrow scans keep the stream)
         ("one query, document mask", H200, 3.0, "stream"),
         ("one query, document mask, normalized", H200, 3.0, TABLE_64),  # (ONCE_READ_TABLE_MASKED_SUMS)
+        ("one query, long documents, document mask, normalized", H200, 3.0, TABLE_128_MASKED),
+        ("one query, long documents, normalized", H200, 3.0, TABLE_128),
         ("candidates, document mask, normalized", H200, 3.0, TABLE_64),
         ("one query of 64 rows, document mask, normalized", H200, 3.0, "pipelined"),
         ("one query of 64 rows, document mask, normalized, 64-row bound", H200, 3.0, (False, 64, 4, 4, False)),

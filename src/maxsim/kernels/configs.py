@@ -243,7 +243,7 @@ STREAM_PERSIST = 0
 STREAM_MAXNREG = 0
 
 
-def once_read_config(cfg: ForwardConfig, Ld: int) -> ForwardConfig:
+def once_read_config(cfg: ForwardConfig, Ld: int, masked: bool = False) -> ForwardConfig:
     """``cfg`` for a large once-read scan that runs the table's pipelined loop instead of the stream (launch_forward's
     ONCE_READ_TABLE_L2, dense unmasked documents, one dim chunk of 128): one program per document, asynchronous
     copies in stages. H200, in-process against the stream (docs/performance.md v73; one 32-row query or a query's
@@ -258,12 +258,18 @@ def once_read_config(cfg: ForwardConfig, Ld: int) -> ForwardConfig:
     32x100 Lq48 Ld256 64.2 -> 63.7; 32-row blocks gain nothing (1x10000 Ld300 1.00x at 4 a multiprocessor,
     1x1000 Ld1024 1.03-1.38x slower: a document or two a program; again in DOC_ROWS, v133's run: 2 / 4 a
     multiprocessor 1.01 / 1.15x, 1.01 / 1.14x, candidates 32x100 Ld256 1.04 / 1.22x; 4 stages (3 for the long
-    tiles) 0.99-1.01x; 128-token tiles in 2 stages 1.00-1.10x)."""
+    tiles) 0.99-1.01x; 128-token tiles in 2 stages 1.00-1.10x).
+
+    The long tiles of an unmasked scan come in 3 stages (two programs a multiprocessor instead of three, a third
+    32 KB tile in flight each), those of a ``masked`` one (a normalized scan with a document mask: launch_forward's
+    ONCE_READ_TABLE_MASKED_SUMS) in 2. H200, in-process (docs/performance.md v158, run 85, 11-21 rounds), 2 -> 3
+    stages: 1x1000 Ld1024 73.1 / 73.6 -> 72.4 / 72.0 us (two pairs), candidates 8x100 Ld1024 66.6 -> 61.4, 1x2000
+    Ld512 72.6 -> 72.2, normalized 1x1000 Ld1024 75.8 -> 75.9, masked (holes) and normalized 82.1 -> 86.7."""
     persist = 0
     if cfg.BQ * cfg.TQ > 32:
         bn, stages, persist = ONCE_READ_WIDE_BLOCK_N, ONCE_READ_WIDE_STAGES, ONCE_READ_WIDE_PERSIST
     elif Ld >= ONCE_READ_LONG_LD:
-        bn, stages = ONCE_READ_LONG_BLOCK_N, ONCE_READ_LONG_STAGES
+        bn, stages = ONCE_READ_LONG_BLOCK_N, ONCE_READ_LONG_MASKED_STAGES if masked else ONCE_READ_LONG_STAGES
     else:
         bn, stages = ONCE_READ_BLOCK_N, ONCE_READ_STAGES
     return replace(cfg, BLOCK_N=bn, num_stages=stages, num_warps=4, persist=persist, maxnreg=0)
@@ -273,7 +279,7 @@ def once_read_config(cfg: ForwardConfig, Ld: int) -> ForwardConfig:
 # ONCE_READ_LONG_LD tokens (a plan-time bucket: two variants), and blocks of 33-64 rows (WIDE).
 ONCE_READ_BLOCK_N, ONCE_READ_STAGES = 64, 3
 ONCE_READ_LONG_LD = 512
-ONCE_READ_LONG_BLOCK_N, ONCE_READ_LONG_STAGES = 128, 2
+ONCE_READ_LONG_BLOCK_N, ONCE_READ_LONG_STAGES, ONCE_READ_LONG_MASKED_STAGES = 128, 3, 2
 ONCE_READ_WIDE_BLOCK_N, ONCE_READ_WIDE_STAGES = 32, 4
 # Persistent programs a multiprocessor for the 33-64-row blocks (0: one program a document). H200 (v95): 3 and 4 alike
 # (1x5000 Lq64 Ld180 0.97 / 0.98x), 6 and 8 fit fewer residents than they plan for (4 stages of 8 KB tiles and a

@@ -322,7 +322,7 @@ def forward_keeping_norms(
         if scan == "stream" and normalize and d_mask is not None and widened_for_doc_rows(streaming_config(cfg)):
             scan = None  # (the pipelined loop, in DOC_ROWS: see DOC_ROWS_SUMS_MAX_ROWS)
         if from_table:
-            cfg = scores_only_tiles(cfg, scan, normalize, Lq, Ld, D)
+            cfg = scores_only_tiles(cfg, scan, normalize, Lq, Ld, D, d_mask is not None)
     stream = scan == "stream"
     sqm = (0, 0) if q_mask is None else q_mask.stride()
     sdm = (0, 0, 0) if d_mask is None else ((0 if shared else d_mask.stride(0)),) + d_mask.stride()[1:]
@@ -407,13 +407,14 @@ def forward_keeping_norms(
 
 
 def scores_only_tiles(
-    cfg: ForwardConfig, scan: str | None, normalize: bool, Lq: int, Ld: int, D: Tensor
+    cfg: ForwardConfig, scan: str | None, normalize: bool, Lq: int, Ld: int, D: Tensor, masked: bool = False
 ) -> ForwardConfig:  # fmt: skip
     """The launch table's ``cfg`` for a scores-only forward: the stream's or the once-read table's tiles for a
-    once-read ``scan``, else :func:`~.configs.scores_only_config`'s; either widened to DOC_ROWS_MIN_BLOCK_N tokens
-    where that lets it run in DOC_ROWS (:func:`widened_for_doc_rows`, :func:`widened_thin_for_doc_rows`)."""
+    once-read ``scan`` (``masked``: with a document mask), else :func:`~.configs.scores_only_config`'s; either
+    widened to DOC_ROWS_MIN_BLOCK_N tokens where that lets it run in DOC_ROWS (:func:`widened_for_doc_rows`,
+    :func:`widened_thin_for_doc_rows`)."""
     if scan is not None:
-        cfg = streaming_config(cfg) if scan == "stream" else once_read_config(cfg, Ld)
+        cfg = streaming_config(cfg) if scan == "stream" else once_read_config(cfg, Ld, masked)
         widen = normalize and widened_for_doc_rows(cfg)
     else:
         cfg = scores_only_config(cfg, Lq, normalize)
