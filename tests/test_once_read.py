@@ -226,3 +226,69 @@ def test_once_read_table_with_a_query_mask(card, device, monkeypatch):
     assert seen == [TABLE_64]
     out = maxsim(Q, D, q_mask=q_mask)
     torch.testing.assert_close(out.double(), reference.maxsim(Q.double(), D.double(), q_mask=q_mask), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "what, l2s, setting, expected",
+    [
+        ("one query", 3.0, {}, ("table", True)),  # (the once-read table: the hint on its tiles)
+        ("candidates", 3.0, {}, ("table", True)),
+        ("one query of 64 rows", 3.0, {}, ("table", True)),
+        ("one query", 3.0, {"ONCE_READ_EVICT": 0}, ("table", False)),
+        ("one query", 1.5, {}, ("stream", False)),  # (the stream's own loads carry it: forward._stream_tile)
+        ("one query", 1.5, {"STREAM_AS_TABLE": 1}, ("table", True)),
+        ("candidates", 1.5, {"STREAM_AS_TABLE": 1}, ("table", True)),
+        ("one query, 64 dims", 3.0, {"STREAM_AS_TABLE": 1}, ("table", True)),
+        ("one query, document mask", 1.5, {"STREAM_AS_TABLE": 1}, ("stream", False)),  # (the table's masks: below)
+        ("one query, 64 dims", 3.0, {}, ("stream", False)),
+        ("several query blocks", 3.0, {"STREAM_AS_TABLE": 1}, ("table as it is", False)),  # (read by every block)
+        ("training forward", 3.0, {"STREAM_AS_TABLE": 1}, ("table as it is", False)),
+    ],
+)
+def test_once_read_tiles_carry_the_evict_first_hint(what, l2s, setting, expected, card, device, monkeypatch):
+    """``EVICT_D`` (the once-read table's tile loads with ``evict_first``, which Triton 3.9 keeps on its
+    asynchronous copies) is set on the once-read table's launches only: not on the stream (whose register loads
+    carry it anyway), not on a scan whose tiles several programs read, not on a training forward.
+    ``STREAM_AS_TABLE`` sends the scans the rule would stream (dense documents) to that table."""
+    kernels_on(device)
+    for name, value in setting.items():
+        monkeypatch.setattr(launch_settings, name, value)
+    nq = 40 if what == "several query blocks" else 2 if what.startswith("candidates") else 1
+    lq = 48 if "64 rows" in what else 32
+    dim = 64 if "64 dims" in what else 128
+    Q, D = _inputs(nq, lq, 3, 50, dim, what.startswith("candidates"), device)
+    d_mask = torch.ones(D.shape[:-1], dtype=torch.bool, device=device) if "mask" in what else None
+    card(H200, int(D.numel() * D.element_size() / l2s))
+    need_argmax = what == "training forward"
+    seen = forward_launches(
+        monkeypatch,
+        lambda: maxsim(Q, D, d_mask=d_mask, return_argmax=need_argmax),
+        lambda c, warps, stages: (c["STREAM_D"], c["EVICT_D"], c["BLOCK_N"], stages),
+    )
+    assert len(seen) == 1
+    stream, evict, block_n, stages = seen[0]
+    kind, hinted = expected
+    assert stream is (kind == "stream") and evict is hinted
+    if kind == "table":  # (once_read_config's tiles, not the table's as it is)
+        assert (block_n, stages) in ((configs.ONCE_READ_BLOCK_N, configs.ONCE_READ_STAGES), (32, 4))
+
+
+@pytest.mark.parametrize("dim", [128, 64])
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalized"])
+def test_stream_as_table_matches_the_stream(normalize, dim, card, device, monkeypatch):
+    """A scan the rule streams, run by the hinted once-read table instead (``STREAM_AS_TABLE``), on integer data
+    with a NaN and an infinite token: the stream's scores (bit for bit raw, within 2 ulp normalized), narrow
+    tokens too (64 dims, which the stream takes in 32-token tiles with 2 warps)."""
+    Q = int_grid((3, 12, dim), seed=11, dtype=DTYPE, device=device)
+    D = int_grid((3, 2, 70, dim), seed=12, dtype=DTYPE, device=device)
+    D[0, -1, -1, 0] = float("nan")
+    D[-1, 0, 3, 1] = float("inf")
+    kernels_on(device)
+    card(H200, int(D.numel() * D.element_size() / 1.5))
+    runs = {}
+    for as_table in (0, 1):
+        monkeypatch.setattr(launch_settings, "STREAM_AS_TABLE", as_table)
+        assert [s[0] for s in _launches(monkeypatch, lambda: maxsim(Q, D, normalize=normalize))] == [not as_table]
+        runs[as_table] = maxsim(Q, D, normalize=normalize)
+    torch.testing.assert_close(runs[1], runs[0], rtol=2.5e-7 if normalize else 0, atol=0, equal_nan=True)
+    assert torch.isnan(runs[1][0, -1])

@@ -178,7 +178,7 @@ def _argmax_slots(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SAVE_ARGMAX: tl.
 def _chunk_product(
     s, sumsq, qt, q_rows, row_ok, d_base, cols, d_len, dim, sd_l, kc, dt_pre, BLOCK_K: tl.constexpr,
     NUM_K: tl.constexpr, SUMSQ: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    STREAM_D: tl.constexpr, DOC_ROWS: tl.constexpr,
+    STREAM_D: tl.constexpr, EVICT_D: tl.constexpr, DOC_ROWS: tl.constexpr,
 ):  # fmt: skip
     """Dim chunk ``kc`` of a tile's similarities added into ``s [rows, BLOCK_N]`` (``DOC_ROWS``: ``[BLOCK_N,
     rows]``, ``qt`` then the query block transposed) and its tokens' squares into ``sumsq [BLOCK_N]`` where
@@ -195,7 +195,11 @@ def _chunk_product(
         # select that follows the product replaces their columns (NaN or inf included, each column being one token's
         # own products), where a predicate on the mask held the tile's loads behind the mask's.
         rows = tl.minimum(cols, d_len - 1)
-        dt = tl.load(d_base + rows[:, None] * sd_l + kd[None, :], mask=(kd[None, :] < dim), other=0.0)
+        d_ptrs = d_base + rows[:, None] * sd_l + kd[None, :]
+        if EVICT_D:  # (a once-read scan's tiles: see _stream_tile; the pipeliner keeps the hint from Triton 3.9)
+            dt = tl.load(d_ptrs, mask=(kd[None, :] < dim), other=0.0, eviction_policy="evict_first")
+        else:
+            dt = tl.load(d_ptrs, mask=(kd[None, :] < dim), other=0.0)
     if SUMSQ:
         dtf = dt.to(tl.float32)
         sumsq += tl.sum(dtf * dtf, axis=1)
@@ -232,8 +236,8 @@ def _scan_tile(
     qt, q_rows, row_ok, d_base, dm_doc, inv_doc, n0, d_len, dim, sd_l, sdm_l, sid_l, m2, a2, any_valid, dt_pre,
     ok_pre, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, HAS_DMASK: tl.constexpr,
     NORMALIZE: tl.constexpr, NORMS_GIVEN: tl.constexpr, SAVE_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, EARLY_NORMS: tl.constexpr, STREAM_D: tl.constexpr, DOC_ROWS: tl.constexpr,
-    MASK_BITS: tl.constexpr,
+    UPCAST: tl.constexpr, EARLY_NORMS: tl.constexpr, STREAM_D: tl.constexpr, EVICT_D: tl.constexpr,
+    DOC_ROWS: tl.constexpr, MASK_BITS: tl.constexpr,
 ):  # fmt: skip
     """One document tile ``[n0, n0 + BLOCK_N)`` folded into the running max ``m2`` (and argmax ``a2``) of shape
     ``[rows, BLOCK_N]``; ``any_valid [BLOCK_N]`` remembers whether a column slot ever held a valid token.
@@ -267,13 +271,13 @@ def _scan_tile(
         for kc in range(NUM_K):
             s, sumsq = _chunk_product(
                 s, sumsq, qt, q_rows, row_ok, d_base, cols, d_len, dim, sd_l, kc, dt_pre, BLOCK_K, NUM_K, SUMSQ,
-                DOT_PRECISION, UPCAST, STREAM_D, DOC_ROWS,
+                DOT_PRECISION, UPCAST, STREAM_D, EVICT_D, DOC_ROWS,
             )  # fmt: skip
     else:
         for kc in tl.static_range(NUM_K):
             s, sumsq = _chunk_product(
                 s, sumsq, qt, q_rows, row_ok, d_base, cols, d_len, dim, sd_l, kc, dt_pre, BLOCK_K, NUM_K, SUMSQ,
-                DOT_PRECISION, UPCAST, STREAM_D, DOC_ROWS,
+                DOT_PRECISION, UPCAST, STREAM_D, EVICT_D, DOC_ROWS,
             )  # fmt: skip
     if NORMALIZE:
         if SUMSQ:  # (a layout round trip through shared memory a tile, but in DOC_ROWS: see above)
@@ -400,7 +404,7 @@ def _row_block(
     TQ: tl.constexpr, BQ: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
     HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr, NORMALIZE: tl.constexpr, NORMS_GIVEN: tl.constexpr,
     SAVE_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, EARLY_NORMS: tl.constexpr,
-    STREAM_D: tl.constexpr, DOC_ROWS: tl.constexpr, MASK_BITS: tl.constexpr,
+    STREAM_D: tl.constexpr, EVICT_D: tl.constexpr, DOC_ROWS: tl.constexpr, MASK_BITS: tl.constexpr,
 ):  # fmt: skip
     """Rows ``t0 .. t0 + TQ`` of the program's packed queries against one document: ``(token index t, value
     [rows] (0 where a row is not live), argmax [rows] (-1 there; unset without SAVE_ARGMAX), live [rows])``."""
@@ -438,7 +442,7 @@ def _row_block(
         m2, a2, any_valid = _scan_tile(
             q_op, q_rows, row_ok, d_base, dm_doc, inv_doc, n0, d_len, dim, sd_l, sdm_l, sid_l, m2, a2,
             any_valid, dt_pre, ok_pre, BLOCK_N, BLOCK_K, NUM_K, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX,
-            DOT_PRECISION, UPCAST, EARLY_NORMS, STREAM_D, DOC_ROWS, MASK_BITS,
+            DOT_PRECISION, UPCAST, EARLY_NORMS, STREAM_D, EVICT_D, DOC_ROWS, MASK_BITS,
         )  # fmt: skip
     if STREAM_D:
         q_scale = tl.full([BLOCK_M], 1.0, tl.float32)
@@ -479,8 +483,8 @@ def maxsim_fwd_kernel(
     Q_KIND: tl.constexpr, D_KIND: tl.constexpr, PAIR_LIST: tl.constexpr,
     HAS_QMASK: tl.constexpr, HAS_DMASK: tl.constexpr, NORMALIZE: tl.constexpr, SAVE_ARGMAX: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PERSIST: tl.constexpr, NORMS_GIVEN: tl.constexpr,
-    EARLY_NORMS: tl.constexpr, STREAM_D: tl.constexpr, DOC_SPLIT: tl.constexpr, PACKED: tl.constexpr,
-    DOC_ROWS: tl.constexpr, MASK_BITS: tl.constexpr,
+    EARLY_NORMS: tl.constexpr, STREAM_D: tl.constexpr, EVICT_D: tl.constexpr, DOC_SPLIT: tl.constexpr,
+    PACKED: tl.constexpr, DOC_ROWS: tl.constexpr, MASK_BITS: tl.constexpr,
 ):  # fmt: skip
     """Scores ``OUT [n_rsplit, Nq, K]`` and argmax ``ARG [Nq, K, Lq]``; a pair list runs as ``Nq = 1``, ``K`` =
     number of pairs, query and document of pair ``k`` read from ``PQ[k]``, ``PD[k]``.
@@ -608,7 +612,7 @@ def maxsim_fwd_kernel(
                 q_op, q_rows, row_ok, D + b * sd_b + k * sd_k, DM + b * sdm_b + k * sdm_k,
                 INV_D + b * sid_b + k * sid_k, n0, Ld, dim, sd_l, sdm_l, sid_l, m2, a2, any_valid, dt_pre, ok_pre,
                 BLOCK_N, BLOCK_K, NUM_K, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX, DOT_PRECISION, UPCAST,
-                EARLY_NORMS, STREAM_D, DOC_ROWS, MASK_BITS,
+                EARLY_NORMS, STREAM_D, EVICT_D, DOC_ROWS, MASK_BITS,
             )  # fmt: skip
             if n0 + BLOCK_N >= Ld:  # the document's last tile: its scores, then a fresh running max
                 row_val, a, _live = _finish_rows(
@@ -655,7 +659,7 @@ def maxsim_fwd_kernel(
                     r_lo, tok, q_in, q_len, r_hi, q_out, QM, sqm_n, sqm_l, q_base, sq_l, iq_base, siq_l, d_base,
                     dm_doc, inv_doc, tl.minimum(tl.maximum(d_len - c0, 0), chunk_len), dim, sd_l, sdm_l, sid_l,
                     TQ, BQ, BLOCK_N, BLOCK_K, NUM_K, HAS_QMASK, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX,
-                    DOT_PRECISION, UPCAST, EARLY_NORMS, STREAM_D, DOC_ROWS, MASK_BITS,
+                    DOT_PRECISION, UPCAST, EARLY_NORMS, STREAM_D, EVICT_D, DOC_ROWS, MASK_BITS,
                 )  # fmt: skip
                 pa = tl.where(live, a + c0, -1)
             at = ((chunk * Nq + q_out.to(tl.int64)) * K + kk) * Lq + t
@@ -674,7 +678,7 @@ def maxsim_fwd_kernel(
                     r_lo, tok, q_in, q_len, r_hi, q_out, QM, sqm_n, sqm_l, q_base, sq_l, iq_base, siq_l, d_base, dm_doc,
                     inv_doc, d_len, dim, sd_l, sdm_l, sid_l,
                     TQ, BQ, BLOCK_N, BLOCK_K, NUM_K, HAS_QMASK, HAS_DMASK, NORMALIZE, NORMS_GIVEN, SAVE_ARGMAX,
-                    DOT_PRECISION, UPCAST, EARLY_NORMS, STREAM_D, DOC_ROWS, MASK_BITS,
+                    DOT_PRECISION, UPCAST, EARLY_NORMS, STREAM_D, EVICT_D, DOC_ROWS, MASK_BITS,
                 )  # fmt: skip
                 if SAVE_ARGMAX:
                     tl.store(ARG + (q_out.to(tl.int64) * K + kk) * Lq + t, a, mask=q_in & (t < r_hi))

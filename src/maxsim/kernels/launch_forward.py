@@ -184,7 +184,7 @@ def plan_key(
         settings.DEEP_PIPELINE_MIN_LD, settings.DOC_SPLIT_BELOW, settings.DOC_SPLIT_PROGRAMS_PER_SM,
         settings.DOC_SPLIT_MIN_TILES, settings.PACK_ROWS, settings.DOC_ROWS, settings.DOC_ROWS_MAX_ROWS,
         settings.DOC_ROWS_MIN_BLOCK_N, settings.DOC_ROWS_SUMS_MAX_ROWS, settings.DOC_ROWS_WIDEN_THIN,
-        settings.LONG_QUERY_PERSIST_MAX_TILES,
+        settings.LONG_QUERY_PERSIST_MAX_TILES, settings.ONCE_READ_EVICT, settings.STREAM_AS_TABLE,
     )  # fmt: skip
 
 
@@ -386,8 +386,8 @@ def forward_keeping_norms(
             PERSIST=docs_per_prog > 1, NORMS_GIVEN=norms_given,
             # (a split query's scores-only loop ran 5 % slower with the early load: ColPali 357 -> 376 us)
             EARLY_NORMS=norms_given and (need_argmax or n_rsplit == 1),
-            STREAM_D=stream, DOC_SPLIT=n_dsplit > 1, PACKED=per_block > 0, DOC_ROWS=doc_rows,
-            MASK_BITS=bits,
+            STREAM_D=stream, EVICT_D=scan == "table" and bool(settings.ONCE_READ_EVICT), DOC_SPLIT=n_dsplit > 1,
+            PACKED=per_block > 0, DOC_ROWS=doc_rows, MASK_BITS=bits,
         ),
         cfg.num_warps,
         cfg.num_stages,
@@ -570,7 +570,9 @@ def once_read_scan(
     if not settings.STREAM_ONCE_READ:
         return None
     lo, hi = settings.STREAM_L2_RANGE
-    return "stream" if lo <= l2s <= hi else None
+    if not lo <= l2s <= hi:
+        return None
+    return "table" if settings.STREAM_AS_TABLE and (not masked or table_mask) and sg.d_kind == DENSE else "stream"
 
 
 def _unmasked_pointers(

@@ -232,6 +232,12 @@ STREAM_L2_RANGE = (0.5, 7.0)
 # flags -> bits: 1x5000 Lq64 Ld180 97.7 -> 78.9 (unmasked 67.1), candidates 64x20 Lq64 44.9 -> 39.4, 32x100 Lq48
 # 82.8 -> 69.7; 32-row blocks 0.98-1.01x, normalized 0.94-1.00x (1x1000 Ld1024 101.2 -> 94.8).
 STREAM_MASK_BITS = 1
+# The once-read table loop's tile loads carry the stream's evict-first hint (forward.py's EVICT_D). Triton 3.6 drops it
+# from the pipeliner's asynchronous copies (the PTX is the same either way); Triton 3.9 keeps it where its PTX
+# is at least ISA 9.0 (a CUDA 13 ptxas), `cp.async.cg.shared.global.L2::cache_hint`. STREAM_AS_TABLE: scans the
+# rule would stream run that loop instead (dense documents; measured in docs/performance.md's run 89).
+ONCE_READ_EVICT = 1
+STREAM_AS_TABLE = 0
 # The pipelined loops (launch_forward.mask_bits) carry their masks a tile ahead: as bits for scores (PIPE_MASK_BITS =
 # 1: the flags of a 64-token tile had taken a byte load, its address and two compares a column in every thread, in
 # front of the select), as the next tile's loaded flags with the argmax (PIPE_MASK_BITS_ARGMAX = 2, reduced to bits
