@@ -235,6 +235,7 @@ def test_once_read_table_with_a_query_mask(card, device, monkeypatch):
         ("candidates", 3.0, {}, ("table", True)),
         ("one query of 64 rows", 3.0, {}, ("table", True)),
         ("one query", 3.0, {"ONCE_READ_EVICT": 0}, ("table", False)),
+        ("one query", 10.0, {}, ("table", False)),  # (past STREAM_L2_RANGE: the hint measured slower there)
         ("one query", 1.5, {}, ("stream", False)),  # (the stream's own loads carry it: forward._stream_tile)
         ("one query", 1.5, {"STREAM_AS_TABLE": 1}, ("table", True)),
         ("candidates", 1.5, {"STREAM_AS_TABLE": 1}, ("table", True)),

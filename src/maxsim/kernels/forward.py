@@ -133,10 +133,11 @@ def _stream_tile(d_base, n0, d_len, sd_l, dim, live, BLOCK_N: tl.constexpr, BLOC
     """The document tile ``[n0, n0 + BLOCK_N)``, loaded into registers as the first lines to leave the L2
     (``evict_first``): no other program reads it, and a pass over a corpus then replaces its own lines instead of
     the queries or lines another kernel left dirty, whose write-back would take HBM bandwidth in the middle of the
-    pass. (Triton drops the hint from the asynchronous copies of its pipeliner, so these loads are plain ones,
-    issued one tile ahead by the caller.) Nothing is read where ``live`` is false; rows past ``d_len`` read its
-    last token (no row predicate), and masked tokens are read too (the select after the product drops their
-    columns, as :func:`_chunk_product`'s): the loads need not wait for the tile's mask."""
+    pass. (Triton 3.6 drops the hint from the asynchronous copies of its pipeliner, so these loads are plain ones,
+    issued one tile ahead by the caller; 3.9 keeps it there at PTX ISA 9.4: ``EVICT_D``.) Nothing is read where
+    ``live`` is false; rows past ``d_len`` read its last token (no row predicate), and masked tokens are read too
+    (the select after the product drops their columns, as :func:`_chunk_product`'s): the loads need not wait for
+    the tile's mask."""
     rows = tl.minimum(n0 + tl.arange(0, BLOCK_N), d_len - 1)
     kd = tl.arange(0, BLOCK_K)
     ptrs = d_base + rows[:, None] * sd_l + kd[None, :]
@@ -498,7 +499,8 @@ def maxsim_fwd_kernel(
     document.
 
     ``STREAM_D`` (``NUM_K == 1``): every document tile is read by this program only; it is loaded one tile ahead
-    with an evict-first hint (``_stream_tile``), its mask two tiles ahead. ``MASK_BITS`` (a document mask, tiles of
+    with an evict-first hint (``_stream_tile``), its mask two tiles ahead. ``EVICT_D`` (the pipelined loop of a
+    once-read scan): its tiles' copies carry that hint, where Triton keeps it. ``MASK_BITS`` (a document mask, tiles of
     at most 64 tokens): the mask carried as one integer a tile (:func:`_tile_bits`), read a tile ahead in the
     pipelined loops too.
 

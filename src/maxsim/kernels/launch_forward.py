@@ -324,6 +324,8 @@ def forward_keeping_norms(
         if from_table:
             cfg = scores_only_tiles(cfg, scan, normalize, Lq, Ld, D, d_mask is not None)
     stream = scan == "stream"
+    # (the once-read table's tiles evict-first within the stream's byte range only: see ONCE_READ_EVICT)
+    evict = scan == "table" and bool(settings.ONCE_READ_EVICT) and l2_sizes(D) <= settings.STREAM_L2_RANGE[1]
     sqm = (0, 0) if q_mask is None else q_mask.stride()
     sdm = (0, 0, 0) if d_mask is None else ((0 if shared else d_mask.stride(0)),) + d_mask.stride()[1:]
     rows_per_prog = cfg.TQ if n_rsplit > 1 else Lq
@@ -386,7 +388,7 @@ def forward_keeping_norms(
             PERSIST=docs_per_prog > 1, NORMS_GIVEN=norms_given,
             # (a split query's scores-only loop ran 5 % slower with the early load: ColPali 357 -> 376 us)
             EARLY_NORMS=norms_given and (need_argmax or n_rsplit == 1),
-            STREAM_D=stream, EVICT_D=scan == "table" and bool(settings.ONCE_READ_EVICT), DOC_SPLIT=n_dsplit > 1,
+            STREAM_D=stream, EVICT_D=evict, DOC_SPLIT=n_dsplit > 1,
             PACKED=per_block > 0, DOC_ROWS=doc_rows, MASK_BITS=bits,
         ),
         cfg.num_warps,

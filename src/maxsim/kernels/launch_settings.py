@@ -197,7 +197,7 @@ ONE_DOC_GAIN = 1.3
 LONG_QUERY_PERSIST_MAX_TILES = 8
 # Document tiles that one program alone reads (one thin block of query rows against shared documents, or each
 # query's own candidates), 16-bit, one dim chunk, are loaded into registers one tile ahead with an
-# evict-first hint (forward.py's STREAM_D) instead of by the pipeliner's asynchronous copies, which drop the hint:
+# evict-first hint (forward.py's STREAM_D) instead of by the pipeliner's asynchronous copies, which dropped it:
 # the scan then replaces its own lines in the L2, not the lines other kernels left there (dirty ones cost a
 # write-back in the middle of the scan). The register loop sustains a little less bandwidth than the pipelined one,
 # so this pays where the scan's bytes are between STREAM_L2_RANGE times the L2's size. H100 under do_bench's flush
@@ -232,10 +232,16 @@ STREAM_L2_RANGE = (0.5, 7.0)
 # flags -> bits: 1x5000 Lq64 Ld180 97.7 -> 78.9 (unmasked 67.1), candidates 64x20 Lq64 44.9 -> 39.4, 32x100 Lq48
 # 82.8 -> 69.7; 32-row blocks 0.98-1.01x, normalized 0.94-1.00x (1x1000 Ld1024 101.2 -> 94.8).
 STREAM_MASK_BITS = 1
-# The once-read table loop's tile loads carry the stream's evict-first hint (forward.py's EVICT_D). Triton 3.6 drops it
-# from the pipeliner's asynchronous copies (the PTX is the same either way); Triton 3.9 keeps it where its PTX
-# is at least ISA 9.0 (a CUDA 13 ptxas), `cp.async.cg.shared.global.L2::cache_hint`. STREAM_AS_TABLE: scans the
-# rule would stream run that loop instead (dense documents; measured in docs/performance.md's run 89).
+# The once-read table loop's tile loads carry the stream's evict-first hint (forward.py's EVICT_D) for scans of at
+# most STREAM_L2_RANGE's upper bound of L2 sizes. Triton 3.6 drops it from the pipeliner's asynchronous copies (its
+# PTX is the same either way); Triton 3.9 keeps it (`cp.async.cg.shared.global.L2::cache_hint`) where it writes PTX
+# ISA 9.4, with its wheel's own ptxas (CUDA 13.4), not with an older one. H200, Triton 3.9 and that ptxas, in-process
+# (tools/knobs.py infer, 9 rounds, docs/performance.md's run 89), hinted -> not: candidates 64x20 Lq64 Ld300 34.2 ->
+# 37.6 us, 32x100 Ld256 60.8 -> 61.2, the other tables 0.99-1.01x; past the range 1x10000 Ld300 189.8 -> 181.4 (so
+# not there). STREAM_AS_TABLE: the scans the rule would stream (dense documents) run that hinted table instead;
+# same run, stream -> table: candidates 16x100 Lq23 Ld333 dim 48 26.8 -> 24.0 us, the others 0.99-1.02x (1x1000
+# Ld300 28.3 -> 28.7, candidates 32x50 28.6 -> 28.9); on Triton 3.9 with CUDA 13.0's ptxas (no hint) 1.07-1.15x
+# slower. Off: the gain is one row's, on one toolchain.
 ONCE_READ_EVICT = 1
 STREAM_AS_TABLE = 0
 # The pipelined loops (launch_forward.mask_bits) carry their masks a tile ahead: as bits for scores (PIPE_MASK_BITS =
