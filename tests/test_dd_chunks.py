@@ -4,6 +4,11 @@ SCATTER_BUFFER_MAX_BYTES and SCATTER_CHUNK_*), in an fp32 buffer of one chunk's 
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 from helpers import (
@@ -272,3 +277,70 @@ def test_chunk_plan_covers_every_document_once_and_its_launches_never_overlap(K,
             added.add(scatter)
             zero[dst[0]] = 0
     assert sorted(cast) == list(range(len(chunks))) and cast[-1] == len(chunks) - 1
+
+
+_CAST_CLEAR_TTGIR = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from maxsim.kernels import dd_chunks
+src = ASTSource(
+    fn=dd_chunks.cast_clear_kernel,
+    signature={"BUF": "*fp32", "OUT": "*bf16", "n": "i32", "n_clear": "i32", "BLOCK": "constexpr"},
+    constexprs={"BLOCK": dd_chunks.BLOCK},
+    attrs={(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]},
+)
+options = {"num_warps": dd_chunks.NUM_WARPS}
+print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ttgir"])
+"""
+
+
+def _cast_clear_ttgir() -> str:
+    """``dd_chunks.cast_clear_kernel`` compiled for sm_90 as a launch would (16-byte aligned pointers), up to TTGIR:
+    no GPU needed, only Triton's NVIDIA backend. In a process of its own: under ``TRITON_INTERPRET=1`` (CI) this
+    one's kernels are the interpreter's, which do not compile."""
+    import triton
+
+    if "nvidia" not in getattr(triton.backends, "backends", {}):
+        pytest.skip("this Triton has no NVIDIA backend to compile with")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _CAST_CLEAR_TTGIR], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_the_cast_clears_its_buffer_only_after_every_thread_read_it():
+    """The cast reads each element of a chunk's fp32 buffer in one layout and clears it in another (the 16-bit store's
+    8 elements a thread against the fp32 store's 4: Triton 3.6 and 3.9), so one warp clears what another reads: a
+    CTA barrier must lie between the load and the clearing store, or both must share a layout. (Without the barrier
+    an H200 under Triton 3.9 zeroed 487 of a 256 x 256 Ld300 step's dD elements.) Compiled for sm_90, no GPU."""
+    ops = [line.strip() for line in _cast_clear_ttgir().splitlines() if "tt.load" in line or "tt.store" in line
+           or "barrier" in line]  # fmt: skip
+    loads = [i for i, op in enumerate(ops) if "tt.load" in op and "!tt.ptr<f32>" in op]
+    clears = [i for i, op in enumerate(ops) if "tt.store" in op and "!tt.ptr<f32>" in op]
+    assert len(loads) == 1 and len(clears) == 1, ops
+    load, clear = ops[loads[0]], ops[clears[0]]
+
+    def layout(op: str) -> str:  # (the first "#name>": the operands' encoding; "loc(#loc3)" ends otherwise)
+        return re.findall(r"#(\w+)>", op)[0]
+
+    between = ops[loads[0] + 1 : clears[0]]
+    assert layout(load) == layout(clear) or any("barrier" in op for op in between), ops
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+def test_the_cast_copies_every_element_before_clearing_it():
+    """``cast_clear_kernel`` over 2^25 nonzero sums, all cleared: dD gets every sum rounded (none read after its
+    clear), and the buffer is zero. Repeated, since a read overtaken by another warp's clear is a matter of timing."""
+    from maxsim.kernels import dd_chunks
+    from maxsim.kernels.launcher import Launcher
+
+    n = 1 << 25
+    g = torch.Generator(device="cuda").manual_seed(seed_of("cast-clear"))
+    sums = torch.rand(n, device="cuda", generator=g) + 0.5
+    want = sums.to(torch.bfloat16)
+    cast = Launcher(dd_chunks.cast_clear_kernel)
+    for _ in range(10):
+        buf, out = sums.clone(), torch.empty(n, dtype=torch.bfloat16, device="cuda")
+        cast(cdiv(n, dd_chunks.BLOCK), (buf, out), (n, n), dict(BLOCK=dd_chunks.BLOCK), dd_chunks.NUM_WARPS, 3)
+        assert torch.equal(out, want) and not buf.any()
