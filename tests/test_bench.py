@@ -1153,6 +1153,22 @@ def test_the_host_probe_sees_another_process_keep_a_cpu_busy():
     assert probe["steal_cpus"] >= 0
 
 
+def test_the_host_probe_counts_no_more_cpus_than_there_are(monkeypatch):
+    """/proc/stat's counters tick every 10 ms on each CPU, so over a short probe on a busy host their deltas can sum to
+    more CPU time than the host has (run 90: this file's host-state test failed in a shard of 16 on a 16-CPU host,
+    and passed alone); the probe's counts stay within the CPUs there are, and at or above zero."""
+    cpus = os.cpu_count() or 1
+    readings = iter([(0.0, 0.0, 0.0, 0.0), (10.0 * cpus, 5.0 * cpus, 0.0, 1.0)])
+    monkeypatch.setattr(runner, "_cpu_counters", lambda: next(readings))
+    monkeypatch.setattr(runner, "thread_cpu_seconds", lambda: {})
+    probe = runner.host_probe(torch.device("cpu"), warmup_ms=1, rep_ms=2)
+    assert probe["others_busy_cpus"] == cpus and probe["steal_cpus"] == cpus, probe
+    readings = iter([(5.0, 3.0, 0.0, 0.0), (5.0, 2.0, 1.0, 1.0)])  # (this process busier than all: none for others)
+    monkeypatch.setattr(runner, "_cpu_counters", lambda: next(readings))
+    probe = runner.host_probe(torch.device("cpu"), warmup_ms=1, rep_ms=2)
+    assert probe["others_busy_cpus"] == 0 and probe["steal_cpus"] == 0, probe
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc/self/task")
 def test_the_host_probe_sees_a_thread_of_its_own_process_keep_a_cpu_busy():
     # (a thread that spins without the GIL: a sleep-free native loop is what a busy helper thread looks like)

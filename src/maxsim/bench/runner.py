@@ -329,10 +329,13 @@ def host_probe(device: torch.device, warmup_ms: float, rep_ms: float) -> dict[st
     after, threads_after = _cpu_counters(), thread_cpu_seconds()
     if before is not None and after is not None:
         wall = after[3] - before[3]
-        probe["others_busy_cpus"] = max(0.0, (after[0] - before[0]) - (after[2] - before[2])) / wall
-        probe["steal_cpus"] = (after[1] - before[1]) / wall
+        # (the counters tick every 10 ms on each CPU: over a short probe on a busy host their sum can pass the CPUs
+        # there are, which the counts are clamped to)
+        cpus = float(os.cpu_count() or 1)
+        probe["others_busy_cpus"] = min(cpus, max(0.0, (after[0] - before[0]) - (after[2] - before[2])) / wall)
+        probe["steal_cpus"] = min(cpus, max(0.0, after[1] - before[1]) / wall)
         if threads_after:
-            probe["stray_threads_cpus"] = stray_thread_seconds(threads_before, threads_after) / wall
+            probe["stray_threads_cpus"] = min(cpus, stray_thread_seconds(threads_before, threads_after) / wall)
     return probe
 
 
