@@ -2,11 +2,13 @@
 
 The launch functions run on small CPU tensors with the launcher replaced by a compiler call (Triton's front end and
 ptxas, for ``sm_90``), so type and shape errors of the kernels show up here instead of on a lent GPU. Nothing is
-executed. Usage: ``python tools/compile_check.py [--full | --regs | --sass] [--part=K/N] [NAME=VALUE ...]``
+executed. Usage: ``python tools/compile_check.py [--full | --regs | --sass | --hazards] [--part=K/N] [NAME=VALUE ...]``
 (front end only; the whole pipeline through ptxas, failing a variant that needs more shared memory than sm_90 has;
 that plus each variant's registers and spill bytes from ``ptxas -v`` and its shared memory, which say how many
 programs fit on a multiprocessor; that plus a histogram of the SASS instructions of each variant's innermost loops,
-from ``nvdisasm``); ``--part=K/N`` runs the K-th (from 0) of N shares of the (dtype, normalize) cases;
+from ``nvdisasm``; the whole pipeline, failing a variant whose TTGIR loads and stores one buffer in two layouts with
+no barrier between, :func:`layout_hazards`); ``--part=K/N`` runs the K-th (from 0) of N shares of the (dtype,
+normalize) cases;
 ``NAME=VALUE`` arguments keep only the variants whose kernel name (``kernel=maxsim_bwd_kernel``), constexprs
 (``SCAN_D=True``) or ``num_warps`` match. Exit status 1 if a variant fails.
 """
@@ -47,7 +49,8 @@ _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", 
           torch.int64: "i64", torch.uint8: "u8"}  # fmt: skip
 SASS = "--sass" in sys.argv
 REGS = "--regs" in sys.argv or SASS
-FULL = "--full" in sys.argv or REGS
+HAZARDS = "--hazards" in sys.argv
+FULL = "--full" in sys.argv or REGS or HAZARDS
 FILTERS = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a and not a.startswith(("shapes=", "--part=")))
 # ``--part=K/N``: a share of the (dtype, normalize) cases, so that tests can spread them over workers
 PART = next(
@@ -129,6 +132,8 @@ def fake_call(
                 raise RuntimeError(f"{compiled.metadata.shared} bytes of shared memory, more than {SHARED_LIMIT}")
             if SASS:
                 print(f"  loop instructions: {loop_histogram(compiled.asm['cubin'])}", flush=True)
+            if HAZARDS and (found := layout_hazards(compiled.asm["ttgir"])):
+                raise RuntimeError("a buffer read and written in two layouts, no barrier between: " + "; ".join(found))
         else:
             front_end(src, options)
         seen[key] = time.perf_counter() - t0
@@ -138,6 +143,48 @@ def fake_call(
         print(f"FAILED NOW: {kernel.__name__} warps={num_warps} stages={num_stages} {constexprs}: {e}", flush=True)
         if "shared memory" not in str(e):
             traceback.print_exc()
+
+
+# TTGIR: an SSA definition, the ops whose result points where their first operand does, a memory op's operand type
+_DEF = re.compile(r"^(%[\w.]+)(?::\d+)? = ([\w.]+) (.*)$")
+_SAME_PLACE = {"tt.splat", "tt.addptr", "tt.broadcast", "tt.expand_dims", "ttg.convert_layout", "tt.reshape",
+               "tt.bitcast", "tt.trans"}  # fmt: skip
+_LAYOUT = re.compile(r":\s*tensor<[^#]*#(\w+)>")
+
+
+def layout_hazards(ttgir: str) -> list[str]:
+    """Loads and stores of one kernel argument's memory in different layouts with no CTA barrier between them (in
+    the text's order), as ``"ARG: load #a, store #b"``. Each thread then reads or writes other elements than the
+    other op's thread of the same index, so a warp can overwrite an element before another warp has read it, or read
+    it before another has written it (v165: the chunked dD cast cleared its fp32 sums in the layout of an fp32 store,
+    after loading them in a 16-bit store's). A pointer is traced to the argument it is derived from through
+    ``_SAME_PLACE`` ops; loop-carried pointers are left untraced, and two ops on disjoint elements of one buffer are
+    reported too (read the kernel before believing one)."""
+    root: dict[str, str] = {}
+    events: list[tuple[str, str | None, str | None]] = []  # (kind, argument, layout)
+    for line in ttgir.splitlines():
+        text = line.strip()
+        if text.startswith(("gpu.barrier", "ttg.barrier")):
+            events.append(("barrier", None, None))
+            continue
+        m = _DEF.match(text)
+        op, rest = (m.group(2), m.group(3)) if m else (text.split(" ", 1) + [""])[:2]
+        if m and op in _SAME_PLACE:
+            src = re.match(r"%[\w.]+", rest)
+            if src:
+                root[m.group(1)] = root.get(src.group(0), src.group(0))
+        if op in ("tt.load", "tt.store"):
+            ptr, layout = re.match(r"%[\w.]+", rest), _LAYOUT.search(rest)
+            if ptr and layout:  # (a scalar's load or store has no layout: one thread's)
+                events.append((op, root.get(ptr.group(0), ptr.group(0)), layout.group(1)))
+    found = []
+    for i, (kind, arg, layout) in enumerate(events):
+        for kind2, arg2, layout2 in events[i + 1 :]:
+            if kind2 == "barrier":
+                break
+            if arg2 == arg and layout2 != layout and {kind, kind2} == {"tt.load", "tt.store"}:
+                found.append(f"{arg.lstrip('%')}: {kind.split('.')[1]} #{layout}, {kind2.split('.')[1]} #{layout2}")
+    return sorted(set(found))
 
 
 def _ptxas() -> str:
