@@ -15,6 +15,7 @@ normalize) cases;
 
 from __future__ import annotations
 
+import inspect
 import re
 import subprocess
 import sys
@@ -79,7 +80,9 @@ def front_end(src: ASTSource, options: dict) -> None:
     context = ir.context()
     ir.load_dialects(context)
     backend.load_dialects(context)
-    src.make_ir(TARGET, opts, backend.get_codegen_implementation(opts), backend.get_module_map(), context)
+    args = (opts, backend.get_codegen_implementation(opts), backend.get_module_map(), context)
+    # (Triton 3.5 added the target as the first argument)
+    src.make_ir(*args) if len(inspect.signature(src.make_ir).parameters) == 4 else src.make_ir(TARGET, *args)
 
 
 def specialization(kernel, tensors: tuple, ints: tuple, constexprs: dict) -> tuple[dict, dict, dict]:
