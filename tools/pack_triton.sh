@@ -1,19 +1,21 @@
 #!/bin/bash
 # Pack a Triton wheel other than the lent machines' own (3.6) so that it fits the device tool's carry limit (64 MiB
-# with the tree, ~27 MiB of which is the tree): docs/performance.md's run 89 ran Triton 3.9 this way.
+# with the tree, ~28 MiB of which is the tree): docs/performance.md's runs 89 and 90 ran Triton 3.9 this way.
 #
 #   bash tools/pack_triton.sh 3.9.0 DIR
 #
 # writes DIR/triton.tar.xz (the package without the AMD backend's libraries, CUPTI, proton, headers other than
 # cuda.h, the test plugins and the bundled binaries; libtriton.so stripped: ~37 MiB) and DIR/ptxas.xz (the wheel's
 # own sm_90+ ptxas, ~12 MiB: Triton 3.9 keeps the evict-first hint on cp.async only at the PTX ISA that ptxas
-# reads, 9.4). Both together exceed one call's carry: stage the first on the machine in one call (extract it to
-# /tmp, which stays while the machine is warm, 30 s idle), carry the second in the next, e.g.
+# reads, 9.4). With the tree they exceed one call's carry: split the tarball (run 90: the first 34,000,000 bytes,
+# `head -c`, and the rest, `tail -c +34000001`), carry the first part in one call that copies it to /tmp (which
+# stays while the machine is warm, 30 s idle), and the second part and ptxas.xz in the next, issued as soon as the
+# first returns, e.g. with the parts in two ignored folders, A and B:
 #
-#   call 1, carry [".devdata"] (triton.tar.xz in it):
-#     mkdir -p /tmp/tnew && python -c "import tarfile; tarfile.open('.devdata/triton.tar.xz').extractall('/tmp/tnew')"
-#   call 2, carry [".whl"] (ptxas.xz and the peers' wheels in it), issued as soon as call 1 returns:
-#     python -c "import lzma,shutil; shutil.copyfileobj(lzma.open('.whl/ptxas.xz'), open('/tmp/ptxas','wb'))"
+#   call 1, carry ["A"]:  cp A/part.a /tmp/
+#   call 2, carry ["B"]:  cat /tmp/part.a B/part.b > /tmp/t.tar.xz && mkdir -p /tmp/tnew &&
+#                         python -c "import tarfile; tarfile.open('/tmp/t.tar.xz').extractall('/tmp/tnew')"
+#     python -c "import lzma,shutil; shutil.copyfileobj(lzma.open('B/ptxas.xz'), open('/tmp/ptxas','wb'))"
 #     chmod +x /tmp/ptxas; export TRITON_PTXAS_BLACKWELL_PATH=/tmp/ptxas PYTHONPATH=/tmp/tnew:$PWD/src:$PWD/tools
 #
 # (The cp312 wheel is for the lent machines' Python 3.12; xz -9e of libtriton takes ~3 minutes on two cores.)
