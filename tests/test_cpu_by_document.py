@@ -22,8 +22,16 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import spy
-from test_ragged import Ragged, build, check_ragged, lib_call, ref_call, steps_without_and_with_argmax
+from helpers import assert_same_nan, assert_scores_close, score_magnitude, spy
+from test_ragged import (
+    Ragged,
+    build,
+    check_ragged,
+    dense_view,
+    lib_call,
+    ref_call,
+    steps_without_and_with_argmax,
+)
 
 import maxsim
 from maxsim import cpu_by_document, cpu_ragged, cpu_small
@@ -346,3 +354,89 @@ def test_steps_above_the_bound_or_with_the_argmax_keep_nothing(kept, monkeypatch
     assert kept == [False]  # (the step with the argmax returned never asks)
     for x, y in zip(step, links, strict=True):
         assert torch.equal(x, y)
+
+
+# Scores-only lists whose queries each have the same number of pairs, small pairs: grouped by query instead
+# (cpu_by_document._by_query: the documents gathered as candidates, one GEMM a query).
+
+
+@pytest.fixture
+def by_query(monkeypatch) -> list[bool]:
+    """Whether each try of the by-query grouping took its call."""
+    return spy(monkeypatch, cpu_by_document, "_by_query", lambda args, out: out is not None)
+
+
+def _by_query_case(seed: int) -> Ragged:
+    """``K`` pairs a query (1-4), every document (one length) listed once, shuffled; queries of skewed lengths,
+    empty ones included."""
+    g = torch.Generator().manual_seed(900 + seed)
+    n_q, k = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g))
+    ld = int(torch.randint(1, 41, (1,), generator=g))
+    q_lens = torch.randint(0, 13, (n_q,), generator=g)
+    q_lens[torch.rand(n_q, generator=g) < 0.2] = 0
+    q_lens[int(torch.randint(0, n_q, (1,), generator=g))] = int(torch.randint(1, 13, (1,), generator=g))
+    pq = torch.arange(n_q).repeat_interleave(k)
+    pd = torch.randperm(n_q * k, generator=g)
+    order = torch.randperm(n_q * k, generator=g)
+    pairs = tuple(zip(pq[order].tolist(), pd[order].tolist(), strict=True))
+    return Ragged(
+        tuple(q_lens.tolist()), (ld,) * (n_q * k), pairs=pairs, dim=(8, 16, 48)[seed % 3],
+        dtype=("fp32", "fp16", "bf16", "fp64")[seed % 4], normalize=seed % 5 == 1, index=("int32", "int64")[seed % 2],
+        max_seqlen=("given", "bound")[seed % 7 == 3], noncontig=seed % 6 == 5, return_argmax=False, seed=seed + 1,
+    )  # fmt: skip
+
+
+def _scores(case: Ragged, b, Q=None, D=None) -> torch.Tensor:
+    with maxsim.backend("torch"), torch.no_grad():
+        return lib_call(case, b, Q, D)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_scores_only_lists_of_equal_pairs_a_query_match_the_reference(seed, by_query):
+    case = _by_query_case(seed)
+    b = build(case, "cpu")
+    s = _scores(case, b)
+    rs, _ = ref_call(case, b, b.Q.double(), b.D.double())
+    inp = dense_view(case, b)[0]
+    assert_scores_close(s, rs, dtype=case.torch_dtype, magnitude=score_magnitude(inp, case.normalize, rs.shape))
+    assert by_query == [True], "the list was not grouped by query"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_grouping_by_query_gives_the_by_document_scores_bitwise_on_integer_tokens(seed, by_query, monkeypatch):
+    case = dataclasses.replace(_by_query_case(seed), dtype="fp32", normalize=False, exact=True)
+    b = build(case, "cpu")
+    grouped = _scores(case, b)
+    monkeypatch.setattr(cpu_by_document, "BY_QUERY_MAX_PAIR_SIMS", 0)
+    assert torch.equal(grouped, _scores(case, b)), "grouped by query and by document differ"
+    assert by_query == [True, False]
+
+
+def test_nan_after_a_short_query_stays_out_and_nan_in_a_document_spreads(by_query):
+    """A short query's slab reads the next query's rows (masked: NaN there adds nothing); a NaN token of a document
+    makes its pair's score NaN, and only its pair's."""
+    case = Ragged((2, 5, 3), (4,) * 6, pairs=((1, 0), (0, 1), (2, 2), (0, 3), (1, 4), (2, 5)), dim=8,
+                  return_argmax=False)  # fmt: skip
+    b = build(case, "cpu")
+    Q, D = b.Q.clone(), b.D.clone()
+    Q[2] = float("nan")  # (the second query's first row: in the first query's slab, past its end)
+    D[4 * 3 + 1, 0] = float("nan")  # (document 3, paired with query 0 only)
+    s = _scores(case, b, Q, D)
+    rs, _ = ref_call(case, b, Q.double(), D.double())
+    assert_same_nan(s, rs, "scores")
+    assert torch.isnan(s).tolist() == [True, False, False, True, True, False]  # (query 1's pairs: its NaN row)
+    assert by_query == [True]
+
+
+def test_what_is_not_grouped_by_query(by_query, monkeypatch):
+    """With the argmax, queries of unequal pair counts, pairs above the bound: the by-document path, as before."""
+    base = Ragged((3, 4), (5,) * 4, pairs=((0, 0), (1, 1), (1, 2), (0, 3)), dim=8, return_argmax=False)
+    for case in (
+        dataclasses.replace(base, return_argmax=True),
+        dataclasses.replace(base, pairs=((0, 0), (1, 1), (1, 2), (1, 3))),
+    ):
+        b = build(case, "cpu")
+        _scores(case, b)
+    monkeypatch.setattr(cpu_by_document, "BY_QUERY_MAX_PAIR_SIMS", 4 * 5 - 1)  # (one similarity short)
+    _scores(base, b := build(base, "cpu"))
+    assert by_query == [False, False], by_query
