@@ -11,7 +11,9 @@ This 2-core CPU, fp32, dim 128, a shuffled list of every query's candidates (eac
 (``maxsim bench``'s dense-equivalent pair list), against the paths it replaces: 3200 pairs of ``Lq 32 x Ld 256``
 104 -> 60 ms (eager on the padded copy the bench makes before timing: 70 ms); 64 pairs of ``8 x 32``, the public call
 121 -> 107 µs (eager 48 µs). The backward stays the link list's (:mod:`maxsim.cpu_small`, :mod:`maxsim.cpu_ragged`):
-one-hot products grouped the same way measured slower (full 64 x 32 ``Lq 32 x Ld 180`` 102 against 71 ms).
+one-hot products grouped the same way measured slower (full 64 x 32 ``Lq 32 x Ld 180`` 102 against 71 ms). Where
+every query has as many pairs and the pairs are small (:data:`BY_QUERY_MAX_PAIR_SIMS`), a scores-only list is grouped
+by query instead, its documents copied as candidates (:func:`_by_query`).
 
 Applies (:func:`plan`) to packed ``Q`` and ``D`` on the CPU whose offsets and pair ids are in range, documents all
 of one length with consecutive offsets, and every document listed the same number of times; queries may have any
