@@ -97,8 +97,10 @@ def test_offsets_not_starting_at_row_zero(taken):
 
 def _scores_and_argmax(case: Ragged, path: str, monkeypatch) -> tuple[torch.Tensor, ...]:
     """Scores, argmax and the scores without the argmax, by this path (``"document"``, ``"blocks"``: one document
-    a block), the small path's padded block (``"small"``) or the general path's regrouped blocks (``"general"``)."""
+    a block), the small path's padded block (``"small"``) or the general path's regrouped blocks (``"general"``). This
+    path's scores without the argmax are its own too, not the by-query grouping's (tested below, ``by_query``)."""
     with monkeypatch.context() as m:
+        m.setattr(cpu_by_document, "BY_QUERY_MAX_PAIR_SIMS", 0)
         if path != "document" and path != "blocks":
             m.setattr(cpu_by_document, "plan", lambda *args: None)
         if path == "blocks":
