@@ -150,27 +150,24 @@ def run(Nq, Nd, Lq, Ld, argmax, variants, rounds=5):
         print(f"  {n:28s} {t * 1000:8.1f} us  {flops / t / 1e9:6.1f} TF/s{extra}", flush=True)
 
 
+def variants(*specs: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """Each ``(BM, BN, ahead, warps, stages[, maxnreg])`` named by its values, e.g. ``ahead-128x64-w8-s3-r128``."""
+    named = {}
+    for spec in specs:
+        bm, bn, ahead, warps, stages = spec[:5]
+        cap = f"-r{spec[5]}" if len(spec) > 5 else ""
+        named[f"{('plain', 'ahead')[ahead]}-{bm}x{bn}-w{warps}-s{stages}{cap}"] = spec
+    return named
+
+
 if __name__ == "__main__":
-    V = {  # name: (BM, BN, ahead, warps, stages)
-        "plain-128x64-w4-s3": (128, 64, 0, 4, 3),
-        "ahead-128x64-w4-s3": (128, 64, 1, 4, 3),
-        "plain-128x64-w8-s3": (128, 64, 0, 8, 3),
-        "ahead-128x64-w8-s3": (128, 64, 1, 8, 3),
-        "ahead-128x64-w8-s4": (128, 64, 1, 8, 4),
-        "ahead-64x64-w4-s3": (64, 64, 1, 4, 3),
-        "plain-64x64-w4-s3": (64, 64, 0, 4, 3),
-        "ahead-128x128-w8-s3": (128, 128, 1, 8, 3),
-        "plain-128x128-w8-s3": (128, 128, 0, 8, 3),
-        "ahead-256x64-w8-s3": (256, 64, 1, 8, 3),
-        "ahead-128x64-w8-s3-r128": (128, 64, 1, 8, 3, 128),
-        "plain-128x64-w8-s3-r128": (128, 64, 0, 8, 3, 128),
-        "ahead-64x64-w4-s4": (64, 64, 1, 4, 4),
-        "ahead-64x128-w4-s3": (64, 128, 1, 4, 3),
-    }
+    V = variants(
+        (128, 64, 0, 4, 3), (128, 64, 1, 4, 3), (128, 64, 0, 8, 3), (128, 64, 1, 8, 3), (128, 64, 1, 8, 4),
+        (64, 64, 1, 4, 3), (64, 64, 0, 4, 3), (128, 128, 1, 8, 3), (128, 128, 0, 8, 3), (256, 64, 1, 8, 3),
+        (128, 64, 1, 8, 3, 128), (128, 64, 0, 8, 3, 128), (64, 64, 1, 4, 4), (64, 128, 1, 4, 3),
+    )  # fmt: skip
     print(torch.cuda.get_device_name(), triton.__version__, flush=True)
     print("argmax forward, 32x32 Lq1024 Ld1024 (the long-query training step's)", flush=True)
     run(32, 32, 1024, 1024, True, V)
     print("scores only, ColPali 1x500 Lq1024 Ld1024", flush=True)
-    S = dict(V)
-    S.update({"plain-128x64-w4-s4": (128, 64, 0, 4, 4), "ahead-128x64-w4-s4": (128, 64, 1, 4, 4)})
-    run(1, 500, 1024, 1024, False, S)
+    run(1, 500, 1024, 1024, False, V | variants((128, 64, 0, 4, 4), (128, 64, 1, 4, 4)))
