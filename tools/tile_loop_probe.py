@@ -7,7 +7,8 @@ Usage (on the GPU): ``PYTHONPATH=src python tools/tile_loop_probe.py``. Prints e
 with its flush, 5 interleaved rounds), its rate and its row maxima against an fp32 product (and, bit for bit, against
 the first variant's maxima and argmax). Run 91's call 1 timed every variant with the last one's launch (a lambda
 bound late in the loop, since fixed): its times are that last variant's, 780 µs with the argmax (the library's
-forward 564) and 238 without (the library's 237); this version has not run on a GPU.
+forward 564) and 238 without (the library's 237). This version ran in run 92
+(``benchmarks/results/partial/h200-run92-tile-loop-probes.txt``).
 """
 
 import torch
