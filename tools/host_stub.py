@@ -165,7 +165,7 @@ def main() -> None:
         "cross 32x32 Ld80 d_mask": dense_case(32, 32, 32, 80, masked=True),
         "cross 64x64 Lq23 Ld333 d96": dense_case(64, 64, 23, 333, 96),
         "cross 1x8 Ld8192 (chunked)": dense_case(1, 8, 32, 8192),  # (8 programs: documents scanned in chunks)
-        "cross 64x64 Lq32 Ld1024": dense_case(64, 64, 32, 1024),  # (dD's atomics in chunks)
+        "cross 64x64 Lq32 Ld1024": dense_case(64, 64, 32, 1024),  # (dD by atomics into a 32 MiB fp32 buffer: one chunk)
         "cross 256x256 Lq32 Ld300": dense_case(256, 256, 32, 300),
         "candidates 64x32 Ld180": dense_case(64, 32, 32, 180, candidates=True),
         "pairs 512 Lq32 Ld300": pairs_case(512, 32, 300),
