@@ -27,6 +27,19 @@ def _fold(s, m2, a2, BN: tl.constexpr, ARGMAX: tl.constexpr):
 
 
 @triton.jit
+def _store_rows(m2, a2, M_OUT, A_OUT, out, Ld, BN: tl.constexpr, ARGMAX: tl.constexpr):
+    """Each row's maximum over its column slots, stored at ``out``, and (``ARGMAX``) its lowest winning token: the
+    first slot holding the maximum (or a NaN), its token rebuilt from the offset ``_fold`` kept."""
+    m = tl.max(m2, axis=1)
+    tl.store(M_OUT + out, m)
+    if ARGMAX:
+        tok = a2 + (tl.cdiv(Ld, BN) * BN + tl.arange(0, BN)).to(tl.float32)[None, :]
+        first = (m2 == m[:, None]) | (m2 != m2)
+        a = tl.min(tl.where(first, tok, float("inf")), axis=1).to(tl.int32)
+        tl.store(A_OUT + out, a)
+
+
+@triton.jit
 def probe_fwd(
     Q,
     D,
@@ -78,14 +91,7 @@ def probe_fwd(
                 dt = dt.to(tl.float32)
             s = tl.dot(qt, tl.trans(dt))
             m2, a2 = _fold(s, m2, a2, BN, ARGMAX)
-    m = tl.max(m2, axis=1)
-    out = (q * Nd + d) * Lq + r
-    tl.store(M_OUT + out, m)
-    if ARGMAX:
-        tok = a2 + (tl.cdiv(Ld, BN) * BN + c).to(tl.float32)[None, :]
-        first = (m2 == m[:, None]) | (m2 != m2)
-        a = tl.min(tl.where(first, tok, float("inf")), axis=1).to(tl.int32)
-        tl.store(A_OUT + out, a)
+    _store_rows(m2, a2, M_OUT, A_OUT, (q * Nd + d) * Lq + r, Ld, BN, ARGMAX)
 
 
 def _launch(grid, Q, D, M, A, Nq, Nd, Lq, Ld, BM, BN, ahead, argmax, warps, stages, cap):

@@ -17,7 +17,7 @@ import sys
 import torch
 import triton
 import triton.language as tl
-from tile_loop_probe import _fold
+from tile_loop_probe import _fold, _store_rows
 
 
 @triton.jit
@@ -45,7 +45,6 @@ def ws_fwd(
     q = qd % Nq
     d = qd // Nq
     r = rb * BM + tl.arange(0, BM)
-    c = tl.arange(0, BN)
     # Q's descriptor made here, not on the host: Triton 3.6's Hopper data partitioning splits the load of Q in two
     # 64-row halves, and from a host descriptor each half still copies its 128-row box, past its shared buffer (an
     # illegal address on the H200)
@@ -56,14 +55,7 @@ def ws_fwd(
         dt = d_desc.load([d * Ld + n0, 0])
         s = tl.dot(qt, dt.T)
         m2, a2 = _fold(s, m2, a2, BN, ARGMAX)
-    m = tl.max(m2, axis=1)
-    out = (q * Nd + d) * Lq + r
-    tl.store(M_OUT + out, m)
-    if ARGMAX:
-        tok = a2 + (tl.cdiv(Ld, BN) * BN + c).to(tl.float32)[None, :]
-        first = (m2 == m[:, None]) | (m2 != m2)
-        a = tl.min(tl.where(first, tok, float("inf")), axis=1).to(tl.int32)
-        tl.store(A_OUT + out, a)
+    _store_rows(m2, a2, M_OUT, A_OUT, (q * Nd + d) * Lq + r, Ld, BN, ARGMAX)
 
 
 VARIANTS = {  # name: (BM, BN, warps, warp_specialize, stages); Q through a device-side descriptor
