@@ -27,6 +27,17 @@ def _fold(s, m2, a2, BN: tl.constexpr, ARGMAX: tl.constexpr):
 
 
 @triton.jit
+def _program_block(Nq, Lq, BM: tl.constexpr):
+    """This program's query ``q``, document ``d``, row block ``rb`` and its query rows ``r``: the row blocks of one
+    (query, document) pair are consecutive programs, then the queries, so consecutive programs share a document."""
+    pid = tl.program_id(0)
+    n_rb = tl.cdiv(Lq, BM)
+    rb = pid % n_rb
+    qd = pid // n_rb
+    return qd % Nq, qd // Nq, rb, rb * BM + tl.arange(0, BM)
+
+
+@triton.jit
 def _store_rows(m2, a2, M_OUT, A_OUT, out, Ld, BN: tl.constexpr, ARGMAX: tl.constexpr):
     """Each row's maximum over its column slots, stored at ``out``, and (``ARGMAX``) its lowest winning token: the
     first slot holding the maximum (or a NaN), its token rebuilt from the offset ``_fold`` kept."""
@@ -56,13 +67,7 @@ def probe_fwd(
     ARGMAX: tl.constexpr,
     UP: tl.constexpr = False,
 ):
-    pid = tl.program_id(0)
-    n_rb = tl.cdiv(Lq, BM)
-    rb = pid % n_rb
-    qd = pid // n_rb
-    q = qd % Nq
-    d = qd // Nq
-    r = rb * BM + tl.arange(0, BM)
+    q, d, rb, r = _program_block(Nq, Lq, BM)
     c = tl.arange(0, BN)
     k = tl.arange(0, BK)
     qt = tl.load(Q + (q * Lq + r)[:, None] * BK + k[None, :])

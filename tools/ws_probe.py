@@ -17,7 +17,7 @@ import sys
 import torch
 import triton
 import triton.language as tl
-from tile_loop_probe import _fold, _store_rows
+from tile_loop_probe import _fold, _program_block, _store_rows
 
 
 @triton.jit
@@ -38,13 +38,7 @@ def ws_fwd(
 ):
     """Dense queries ``[Nq·Lq, 128]`` against dense documents ``[Nd·Ld, 128]`` (Lq a multiple of BM, Ld of BN): each
     program one BM-row block of one query against one document, the row maxima (and lowest-index argmax) stored."""
-    pid = tl.program_id(0)
-    n_rb = Lq // BM
-    rb = pid % n_rb
-    qd = pid // n_rb
-    q = qd % Nq
-    d = qd // Nq
-    r = rb * BM + tl.arange(0, BM)
+    q, d, rb, r = _program_block(Nq, Lq, BM)
     # Q's descriptor made here, not on the host: Triton 3.6's Hopper data partitioning splits the load of Q in two
     # 64-row halves, and from a host descriptor each half still copies its 128-row box, past its shared buffer (an
     # illegal address on the H200)
