@@ -66,13 +66,18 @@ def _issue_ms(call: Callable[[], object], n: int = 50) -> float:
     return elapsed
 
 
-def _gpu_ms(call: Callable[[], object], n: int = 10) -> float:
+def _gpu_ms(call: Callable[[], object], n: int = 10, table: bool = False) -> float:
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
             call()
         torch.cuda.synchronize()
-    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    averages = prof.key_averages()
+    if table:  # which kernels the GPU time goes to, per call
+        for e in sorted(averages, key=lambda e: -e.self_device_time_total):
+            if e.self_device_time_total > 0:
+                print(f"    {e.self_device_time_total / n:9.2f} us  x{e.count // n}  {e.key[:90]}", flush=True)
+    total_us = sum(e.self_device_time_total for e in averages)
     return total_us / 1e3 / n
 
 
@@ -81,6 +86,7 @@ def main() -> None:
     ap.add_argument("--only", nargs="+", default=list(DEFAULT_ROWS), metavar="KEY")
     ap.add_argument("--impl", nargs="+", default=["maxsim", "lik", "flash"])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--kernels", action="store_true", help="print each call's kernels and their GPU time")
     args = ap.parse_args()
     device, dtype = torch.device("cuda"), torch.bfloat16
     timer = make_timer(device, 25 / 3, 100 / 3)  # (one of the bench's three rounds)
@@ -107,7 +113,7 @@ def main() -> None:
                 got[name].setdefault("free", []).append(timer(call))
                 got[name].setdefault("no-flush", []).append(_no_flush_ms(call))
         for name, call in calls.items():
-            got[name]["gpu"] = [_gpu_ms(call)]
+            got[name]["gpu"] = [_gpu_ms(call, table=args.kernels)]
             cols = "  ".join(f"{k} {statistics.median(v):.4f}" for k, v in got[name].items())
             print(f"{w.key:40s} {name:7s} {cols}  (pinned to CPU {one.cpu})", flush=True)
         del inp, calls
