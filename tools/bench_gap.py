@@ -15,7 +15,8 @@ and implementation this prints, in ms a call:
 Usage (on the GPU; peers from the carried wheels on PYTHONPATH):
   PYTHONPATH=/tmp/site:src:tools python tools/bench_gap.py [--only KEY ...] [--impl maxsim lik flash] [--rounds 5]
 
-Written in run 92 after its device time was spent: not yet run on a GPU (its setup was checked on a CPU).
+Written in run 92; first run on an H200 in run 93 (`benchmarks/results/partial/h200-run93-bench-gap-5f8ce03.txt`):
+the Ld1024 step's bench time is its GPU time on a fast host, the rest host time (docs/performance.md, run 93).
 """
 
 from __future__ import annotations
