@@ -530,11 +530,11 @@ def test_dense_forward_reads_each_slots_own_pointer(monkeypatch, need_argmax, lq
     assert (plan.lean is not None) == (plan.n_rsplit == plan.n_dsplit == 1 and not normalize)
 
 
-def _fake_forward_kernel(monkeypatch, log: list) -> None:
-    """The forward's launcher over a fake kernel, as on a GPU whose kernels never run: Triton's path appends
-    ``("triton", grid, args, kwargs)`` and hands back a compiled kernel whose ``run`` appends ``("direct", args)``;
-    CPU tensors take the Triton path and plan as on a GPU (the interpreter's check off), on device -1 (their
-    ``get_device()``)."""
+def _fake_kernel(monkeypatch, log: list, which=None) -> None:
+    """A launcher of the library (``which``; the forward's by default) over a fake kernel, as on a GPU whose kernels
+    never run: Triton's path appends ``("triton", grid, args, kwargs)`` and hands back a compiled kernel
+    whose ``run`` appends ``("direct", args)``; CPU tensors take the Triton path and plan as on a GPU (the
+    interpreter's check off), on device -1 (their ``get_device()``)."""
     import inspect
     import sys
     from collections import OrderedDict
@@ -544,7 +544,8 @@ def _fake_forward_kernel(monkeypatch, log: list) -> None:
     from maxsim.kernels import launch_args, launch_forward
 
     backend = sys.modules["maxsim.backend"]  # (the module: ``maxsim.backend`` is also the context manager)
-    real = launch_forward._fwd.kernel
+    which = launch_forward._fwd if which is None else which
+    real = which.kernel
     params = list(inspect.signature(getattr(real, "fn", real)).parameters.values())
     names = [p.name for p in params if "constexpr" in str(p.annotation)]  # (an interpreted kernel has no list)
 
@@ -564,10 +565,10 @@ def _fake_forward_kernel(monkeypatch, log: list) -> None:
 
             return launch
 
-    monkeypatch.setattr(launch_forward._fwd, "kernel", Kernel())
-    monkeypatch.setattr(launch_forward._fwd, "_names", names)
-    monkeypatch.setattr(launch_forward._fwd, "_known", OrderedDict())
-    monkeypatch.setattr(launch_forward._fwd, "_runtime_knobs", knobs.runtime)
+    monkeypatch.setattr(which, "kernel", Kernel())
+    monkeypatch.setattr(which, "_names", names)
+    monkeypatch.setattr(which, "_known", OrderedDict())
+    monkeypatch.setattr(which, "_runtime_knobs", knobs.runtime)
     monkeypatch.setattr(launch_forward, "plans", {})
     monkeypatch.setattr(launcher, "INTERPRETER", False)
     monkeypatch.setattr(launch_args, "INTERPRETER", False)
@@ -607,7 +608,7 @@ def test_a_repeated_dense_call_launches_leanly_as_the_full_path(monkeypatch, q_s
     from maxsim.kernels import launch, launch_forward
 
     log: list = []
-    _fake_forward_kernel(monkeypatch, log)
+    _fake_kernel(monkeypatch, log)
     full = spy(monkeypatch, launch_forward, "run_forward")
     Q, D = torch.randn(q_shape), torch.randn(d_shape)
     qm = torch.rand(q_shape[:-1]) > 0.3 if "q" in masks else None
@@ -679,6 +680,73 @@ def test_a_repeated_dense_call_launches_leanly_as_the_full_path(monkeypatch, q_s
     # (its first call files its variant's entry: the next ones are lean)
     assert [e[0] for e in log[-3:]] == ["triton", "direct", "direct"] and len(full) == 5
     assert marked(log[-1][1], out[-1], Q_off) == general
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("atomics", [False, True], ids=["owner", "atomics"])
+def test_a_repeated_plain_backward_launches_leanly_as_the_launcher(monkeypatch, atomics, dtype):
+    """A repeated plain backward (``launch_backward._run_plain``) calls the compiled kernel itself with the arguments
+    the launcher passes it for the same plan, slot for slot (each call's own fresh dQ); an installed launch hook and
+    another current device take the launcher again, and tensors of another alignment Triton's own path once (the
+    kernel's variant for them), then the direct call."""
+    from triton import knobs
+
+    from maxsim.kernels import launch_backward, launch_settings
+
+    log: list = []
+    _fake_kernel(monkeypatch, log, launch_backward._bwd)
+    if atomics:
+        monkeypatch.setattr(launch_settings, "SHARED_OWNER_MAX_ROWS", 0)
+        monkeypatch.setattr(launch_settings, "SHARED_OWNER_MAX_WORK", 0)
+    monkeypatch.setattr(launch_backward, "plans", {})
+    via_launcher: list = []
+    real_call = launcher.Launcher.__call__
+
+    def counted(self, *args, **kwargs):
+        via_launcher.append(self.kernel)
+        return real_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(launcher.Launcher, "__call__", counted)
+    Q, D = torch.randn(4, 6, 16, dtype=dtype), torch.randn(1, 5, 7, 16, dtype=dtype)
+    g, argmax = torch.randn(4, 5), torch.zeros(4, 5, 6, dtype=torch.int32)
+
+    def call(Q=Q):
+        return launch_backward.backward(g, Q, D, argmax, False, False)
+
+    outs = [call(), call()]
+    (plan,) = launch_backward.plans.values()
+    assert plan.plain and plan.dd_owned != atomics and len(plan.lean) == 1
+    plan.lean.clear()  # (the next call goes through the launcher's own direct call, and files the entry again)
+    outs += [call(), call()]
+    assert [e[0] for e in log] == ["triton", "direct", "direct", "direct"]
+    assert len(via_launcher) == 2 and len(plan.lean) == 1
+
+    def roles(args, dQ):
+        names = {g.data_ptr(): "grad", argmax.data_ptr(): "argmax", Q.data_ptr(): "Q", D.data_ptr(): "D"}
+        names[dQ.data_ptr()] = "dQ"
+        return [*args[:9], [names.get(p, "fresh") for p in args[9:27]], *args[27:]]
+
+    launched = roles(log[2][1], outs[2][0])
+    assert launched[9].count("dQ") == 1 and launched[9].count("fresh") == (2 if plan.cast_counters else 1)
+    assert roles(log[1][1], outs[1][0]) == launched == roles(log[3][1], outs[3][0])
+    assert len({o[0].data_ptr() for o in outs}) == 4  # (a fresh dQ every call)
+
+    class Chain:
+        calls = [print]
+
+    with monkeypatch.context() as m:
+        m.setattr(knobs.runtime, "launch_enter_hook", Chain(), raising=False)
+        call()
+    assert log[-1][0] == "triton" and len(via_launcher) == 3
+    with monkeypatch.context() as m:
+        m.setattr(launcher, "current_device", lambda: 0)
+        call()
+    assert log[-1][0] == "direct" and len(via_launcher) == 4
+    Q_off = torch.randn(Q.numel() + 8, dtype=dtype)[1:-7].view(Q.shape)  # (misaligned: another variant)
+    out = [call(Q_off) for _ in range(3)]
+    assert [e[0] for e in log[-3:]] == ["triton", "direct", "direct"] and len(via_launcher) == 5
+    assert len(plan.lean) == 2
+    assert roles(log[-1][1], out[-1][0])[9] == ["fresh" if n == "Q" else n for n in launched[9]]
 
 
 @pytest.mark.parametrize("normalize", [False, True])

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..layout import Ragged, Views, dims, view_as_canonical
 from . import csr as csr_kernel
-from . import dd_chunks, dd_gather, device_info, slices
+from . import dd_chunks, dd_gather, device_info, launcher, slices
 from . import launch_settings as settings
 from . import normalize as normalize_kernels
 from .backward import FUSED_CAST_BLOCK, FUSED_CAST_STEPS, maxsim_bwd_kernel, maxsim_bwd_scatter_kernel
@@ -114,6 +114,7 @@ class BackwardPlan(NamedTuple):
     plain: bool  # dense, raw tokens, the main launch alone into dQ and dD allocated before it: _run_plain
     cast_counters: int  # > 0: the main launch casts its atomics' sums into dD (FUSED_CAST), this many counters
     sum_counters: int  # > 0: the main launch sums the split walk's slices into dQ (FUSED_DQ_SUM_*), this many counters
+    lean: dict  # a plain plan's main launch by its short key (Launcher.lean_entry), for _run_plain's repeats
 
 
 plans: dict[tuple, BackwardPlan] = {}
@@ -322,7 +323,7 @@ def _backward_plan(
         [{} for _ in steps],
         direct_d, dd_sorted, project_q,
         project_d or (normalize and sorted_dd), cfg.num_warps, {}, {}, plain,
-        n_grp if fused_cast else 0, n_queries * n_tb if sum_last else 0,
+        n_grp if fused_cast else 0, n_queries * n_tb if sum_last else 0, {},
     )  # fmt: skip
 
 
@@ -463,9 +464,11 @@ def _run_plain(plan: BackwardPlan, grad: Tensor, Q: Tensor, D: Tensor, argmax: T
     """:func:`run_backward` of a plain plan (:attr:`BackwardPlan.plain`: the small steps' plans): the same
     allocations, the same launch with the same tensors and pointers (tests/test_launcher.py holds them equal), without
     the branches and compositions the other plans need. This CPU, launches stubbed (docs/performance.md v151): the
-    small step's backward call 8.9-9.9 -> 7.5 µs alone, 0.3-0.8 µs less of a whole step of 53-72."""
+    small step's backward call 8.9-9.9 -> 7.5 µs alone, 0.3-0.8 µs less of a whole step of 53-72. A repeat calls the
+    compiled kernel as :func:`~.launch_forward.run_lean` does (``plan.lean``, v169: the launcher's call 1.9 -> 0.8 µs
+    on this CPU). Syncs: none."""
     dQ = torch.empty(Q.shape, dtype=plan.dq_dtype, device=Q.device)
-    g, q = grad.data_ptr(), Q.data_ptr()
+    g, a, q, d = grad.data_ptr(), argmax.data_ptr(), Q.data_ptr(), D.data_ptr()
     out, out_ptr = grad, g  # (unused slot)
     if plan.dd_owned:
         gd = torch.empty(D.shape, dtype=plan.dd_dtype, device=D.device)
@@ -475,12 +478,23 @@ def _run_plain(plan: BackwardPlan, grad: Tensor, Q: Tensor, D: Tensor, argmax: T
         out_ptr = out.data_ptr()
     else:  # (the atomics' fp32 buffer, in the main launch)
         gd = torch.zeros(D.shape, dtype=torch.float32, device=D.device)
-    grid, ints, constexprs = plan.main
     # (the layout of run_backward's launch: no norms, no segments, no CSR indexes; those slots hold Q or grad)
-    tensors = (grad, argmax, Q, D, grad, grad, dQ, gd, out, grad, Q, Q, Q, Q, grad, grad, grad, grad)
-    pointers = (g, argmax.data_ptr(), q, D.data_ptr(), g, g, dQ.data_ptr(), gd.data_ptr(), out_ptr, g, q, q, q, q,
-                g, g, g, g)  # fmt: skip
-    _bwd(grid, tensors, ints, constexprs, plan.num_warps, 3, plan.launches, foreign=tensors[:4], pointers=pointers)
+    pointers = (g, a, q, d, g, g, dQ.data_ptr(), gd.data_ptr(), out_ptr, g, q, q, q, q, g, g, g, g)
+    device = grad.get_device()  # (the launcher's, whose first tensor is the gradient)
+    short_key = (device, g & 15, a & 15, q & 15, d & 15)  # (the launcher's plan-cache key: the foreign tensors')
+    entry = plan.lean.get(short_key)
+    if entry is None or device != launcher.current_device() or launcher.hooks_installed():
+        grid, ints, constexprs = plan.main
+        tensors = (grad, argmax, Q, D, grad, grad, dQ, gd, out, grad, Q, Q, Q, Q, grad, grad, grad, grad)
+        _bwd(grid, tensors, ints, constexprs, plan.num_warps, 3, plan.launches, foreign=tensors[:4], pointers=pointers)
+        if entry is None:
+            entry = Launcher.lean_entry(plan.launches, short_key, ints)
+            if entry is not None:
+                plan.lean[short_key] = entry
+    else:
+        run, function, metadata, tail = entry
+        run(plan.main[0], 1, 1, launcher.current_stream(device), function, metadata, None, None, None,
+            *pointers, *tail)  # fmt: skip
     if plan.cast_counters:
         gd = out
     if gd.dtype != D.dtype:
