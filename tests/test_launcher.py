@@ -530,6 +530,25 @@ def test_dense_forward_reads_each_slots_own_pointer(monkeypatch, need_argmax, lq
     assert (plan.lean is not None) == (plan.n_rsplit == plan.n_dsplit == 1 and not normalize)
 
 
+def _hooked_call(monkeypatch, call) -> None:
+    """``call()`` while a launch hook is installed (a non-empty ``HookChain``, as newer Triton holds)."""
+    from triton import knobs
+
+    class Chain:
+        calls = [print]
+
+    with monkeypatch.context() as m:
+        m.setattr(knobs.runtime, "launch_enter_hook", Chain(), raising=False)
+        call()
+
+
+def _call_on_another_device(monkeypatch, call) -> None:
+    """``call()`` while device 0 is current (the fakes' tensors are on device -1)."""
+    with monkeypatch.context() as m:
+        m.setattr(launcher, "current_device", lambda: 0)
+        call()
+
+
 def _fake_kernel(monkeypatch, log: list, which=None) -> None:
     """A launcher of the library (``which``; the forward's by default) over a fake kernel, as on a GPU whose kernels
     never run: Triton's path appends ``("triton", grid, args, kwargs)`` and hands back a compiled kernel
@@ -662,18 +681,9 @@ def test_a_repeated_dense_call_launches_leanly_as_the_full_path(monkeypatch, q_s
     assert [(o.shape, o.dtype) for o in outs] == [(want, torch.float32)] * 4
     assert len({o.data_ptr() for o in outs}) == 4  # (fresh scores every call)
 
-    class Chain:
-        calls = [print]
-
-    from triton import knobs
-
-    with monkeypatch.context() as m:
-        m.setattr(knobs.runtime, "launch_enter_hook", Chain(), raising=False)
-        call()
+    _hooked_call(monkeypatch, call)
     assert log[-1][0] == "triton" and len(full) == 3
-    with monkeypatch.context() as m:
-        m.setattr(launcher, "current_device", lambda: 0)
-        call()
+    _call_on_another_device(monkeypatch, call)
     assert len(full) == 4
     Q_off = torch.randn(Q.numel() + 1)[1:].view(Q.shape)  # (4-byte aligned: another variant of the kernel)
     out = [call(Q_off) for _ in range(3)]
@@ -689,8 +699,6 @@ def test_a_repeated_plain_backward_launches_leanly_as_the_launcher(monkeypatch, 
     the launcher passes it for the same plan, slot for slot (each call's own fresh dQ); an installed launch hook and
     another current device take the launcher again, and tensors of another alignment Triton's own path once (the
     kernel's variant for them), then the direct call."""
-    from triton import knobs
-
     from maxsim.kernels import launch_backward, launch_settings
 
     log: list = []
@@ -731,16 +739,9 @@ def test_a_repeated_plain_backward_launches_leanly_as_the_launcher(monkeypatch, 
     assert roles(log[1][1], outs[1][0]) == launched == roles(log[3][1], outs[3][0])
     assert len({o[0].data_ptr() for o in outs}) == 4  # (a fresh dQ every call)
 
-    class Chain:
-        calls = [print]
-
-    with monkeypatch.context() as m:
-        m.setattr(knobs.runtime, "launch_enter_hook", Chain(), raising=False)
-        call()
+    _hooked_call(monkeypatch, call)
     assert log[-1][0] == "triton" and len(via_launcher) == 3
-    with monkeypatch.context() as m:
-        m.setattr(launcher, "current_device", lambda: 0)
-        call()
+    _call_on_another_device(monkeypatch, call)
     assert log[-1][0] == "direct" and len(via_launcher) == 4
     Q_off = torch.randn(Q.numel() + 8, dtype=dtype)[1:-7].view(Q.shape)  # (misaligned: another variant)
     out = [call(Q_off) for _ in range(3)]
